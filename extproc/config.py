@@ -1,0 +1,199 @@
+"""One typed configuration for the router: YAML file, then environment, then CLI flags.
+
+Validation happens once at start-up; every error names the field that is wrong, so an
+operator can fix the file without reading code.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+ENV_PREFIX = "PREFIX_ROUTER_"
+DEFAULT_HEADER = "x-gateway-destination-endpoint"
+
+
+class ConfigError(ValueError):
+    """Raised with a message that names the offending field(s)."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+def parse_host_port(value: str) -> tuple[str, int]:
+    """Split 'ip:port' or '[v6]:port'; Envoy routes on literal IPs, so names are rejected."""
+    value = value.strip()
+    if value.startswith("["):
+        host, sep, port = value[1:].partition("]:")
+    else:
+        host, sep, port = value.rpartition(":")
+    if not sep or not host or not port.isdigit():
+        raise ValueError(f"{value!r} is not 'ip:port' (IPv6 as '[addr]:port')")
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        raise ValueError(f"{value!r}: host must be an IP address, not a name") from None
+    port_number = int(port)
+    if not 0 < port_number < 65536:
+        raise ValueError(f"{value!r}: port out of range")
+    return host, port_number
+
+
+def format_host_port(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+class EndpointConfig(_Strict):
+    """One model-server replica."""
+
+    address: str = Field(description="ip:port of the model server (IPv6 as [addr]:port)")
+    capacity_tokens: int | None = Field(
+        default=None, gt=0, description="KV-cache size in tokens; sizes this endpoint's index"
+    )
+    weight: float = Field(default=1.0, gt=0, description="relative share of load it can take")
+
+    @field_validator("address")
+    @classmethod
+    def _address_is_ip_port(cls, value: str) -> str:
+        host, port = parse_host_port(value)
+        return format_host_port(str(ipaddress.ip_address(host)), port)
+
+
+class ServerConfig(_Strict):
+    listen: str = Field(default="127.0.0.1:9002", description="gRPC listen address ip:port")
+    workers: int = Field(default=1, ge=1, le=64, description="processes sharing the port")
+    body_mode: Literal["buffered", "full_duplex_streamed"] = "buffered"
+    header_name: str = DEFAULT_HEADER
+    served_header_name: str = DEFAULT_HEADER + "-served"
+    metadata_namespace: str = "envoy.lb"
+    max_body_bytes: int = Field(
+        default=64 * 1024 * 1024, gt=0, description="bodies above this pass through unrouted"
+    )
+    routable_paths: tuple[str, ...] = (
+        "/v1/chat/completions",
+        "/v1/completions",
+        "/v1/responses",
+    )
+    grace_seconds: float = Field(default=10.0, ge=0, description="drain time on SIGTERM")
+
+    @field_validator("listen")
+    @classmethod
+    def _listen_is_ip_port(cls, value: str) -> str:
+        parse_host_port(value)
+        return value
+
+    @field_validator("header_name", "served_header_name")
+    @classmethod
+    def _lowercase_header(cls, value: str) -> str:
+        if not value or value != value.strip() or any(c.isspace() for c in value):
+            raise ValueError("must be a non-empty header name without spaces")
+        return value.lower()
+
+
+class RoutingConfig(_Strict):
+    block_size_bytes: int = Field(default=64, ge=8, le=65536)
+    max_blocks: int = Field(default=1024, ge=1, description="cap on blocks hashed per request")
+    bytes_per_token: float = Field(default=4.0, gt=0, description="to convert tokens to bytes")
+    default_capacity_tokens: int = Field(
+        default=500_000, gt=0, description="index size for endpoints without capacity_tokens"
+    )
+    prefix_weight: float = Field(default=1.0, ge=0)
+    load_weight: float = Field(default=0.5, ge=0)
+    load_epsilon: float = Field(
+        default=0.5, ge=0, description="bounded-load guard: cap = (1+eps) x mean load"
+    )
+    load_slack: int = Field(
+        default=2, ge=1, description="in-flight requests any endpoint may take above the mean"
+    )
+    min_match_blocks: int = Field(default=1, ge=1)
+    cold_start_key: Literal["first_turn", "blocks"] = "first_turn"
+    cold_start_blocks: int = Field(default=4, ge=1)
+    fallbacks: int = Field(default=2, ge=0, le=16, description="extra endpoints in the header")
+
+
+class Config(_Strict):
+    server: ServerConfig = ServerConfig()
+    routing: RoutingConfig = RoutingConfig()
+    endpoints: tuple[EndpointConfig, ...] = ()
+
+    @field_validator("endpoints", mode="before")
+    @classmethod
+    def _endpoints_from_strings(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            value = [part for part in value.split(",") if part.strip()]
+        if isinstance(value, list | tuple):
+            return [{"address": v} if isinstance(v, str) else v for v in value]
+        return value
+
+    @field_validator("endpoints")
+    @classmethod
+    def _unique_addresses(cls, value: tuple[EndpointConfig, ...]) -> tuple[EndpointConfig, ...]:
+        seen: set[str] = set()
+        for endpoint in value:
+            if endpoint.address in seen:
+                raise ValueError(f"duplicate endpoint {endpoint.address}")
+            seen.add(endpoint.address)
+        return value
+
+
+def _set_path(tree: dict[str, Any], path: list[str], value: Any) -> None:
+    node = tree
+    for key in path[:-1]:
+        child = node.setdefault(key, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"{'.'.join(path)}: {key} is not a section")
+        node = child
+    node[path[-1]] = value
+
+
+def _env_overrides(environ: Mapping[str, str]) -> list[tuple[list[str], Any]]:
+    """PREFIX_ROUTER_SERVER__LISTEN=... → (['server', 'listen'], value); values parse as YAML."""
+    overrides = []
+    for name, raw in environ.items():
+        if not name.startswith(ENV_PREFIX):
+            continue
+        path = [part.lower() for part in name[len(ENV_PREFIX) :].split("__") if part]
+        if path:
+            overrides.append((path, yaml.safe_load(raw) if raw else raw))
+    return overrides
+
+
+def _format_error(error: ValidationError) -> str:
+    lines = []
+    for item in error.errors():
+        where = ".".join(str(part) for part in item["loc"]) or "(top level)"
+        lines.append(f"config field {where}: {item['msg']}")
+    return "\n".join(lines)
+
+
+def load_config(
+    path: str | Path | None = None,
+    overrides: Mapping[str, Any] | None = None,
+    environ: Mapping[str, str] | None = None,
+) -> Config:
+    """File < environment < overrides (dotted keys, e.g. {'server.workers': 2})."""
+    tree: dict[str, Any] = {}
+    if path is not None:
+        try:
+            loaded = yaml.safe_load(Path(path).read_text()) or {}
+        except (OSError, yaml.YAMLError) as exc:
+            raise ConfigError(f"cannot read config file {path}: {exc}") from exc
+        if not isinstance(loaded, dict):
+            raise ConfigError(f"config file {path}: top level must be a mapping")
+        tree = loaded
+    for key_path, value in _env_overrides(os.environ if environ is None else environ):
+        _set_path(tree, key_path, value)
+    for dotted, value in (overrides or {}).items():
+        if value is not None:
+            _set_path(tree, dotted.split("."), value)
+    try:
+        return Config.model_validate(tree)
+    except ValidationError as exc:
+        raise ConfigError(_format_error(exc)) from None

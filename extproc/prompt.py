@@ -1,0 +1,186 @@
+"""OpenAI-style request body → the canonical prompt bytes a model server will see first.
+
+The bytes need not equal the chat template's output; they must have the same prefix
+structure: a conversation's earlier turns produce a byte prefix of its later turns, and two
+requests that a model server would see with a shared prefix share a byte prefix here.
+Each message is framed as ``\\x01role\\x02content\\x03`` so content cannot forge a boundary
+that shifts the following messages.
+"""
+
+from __future__ import annotations
+
+from array import array
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+
+CHAT_PATH = "/v1/chat/completions"
+COMPLETIONS_PATH = "/v1/completions"
+RESPONSES_PATH = "/v1/responses"
+_API_BY_PATH = {CHAT_PATH: "chat", COMPLETIONS_PATH: "completions", RESPONSES_PATH: "responses"}
+_PREAMBLE_ROLES = frozenset({"system", "developer"})
+_TEXT_PART_TYPES = frozenset({"text", "input_text", "output_text"})
+
+
+class NotRoutable(Exception):
+    """The request is passed through with no decision; ``kind`` is a short, bounded label."""
+
+    def __init__(self, kind: str, detail: str = "") -> None:
+        super().__init__(f"{kind}: {detail}" if detail else kind)
+        self.kind = kind
+
+
+@dataclass(frozen=True, slots=True)
+class LLMRequest:
+    api: str
+    model: str
+    cache_salt: str
+    prompt: bytes
+    # Byte offset where the first user turn ends (0 when the API has no turns). Turns after
+    # it change from request to request of one conversation, so cold-start placement keys
+    # on the prefix up to here.
+    first_turn_end: int
+    stream: bool
+
+
+def api_for_path(path: str) -> str | None:
+    return _API_BY_PATH.get(path.split("?", 1)[0].rstrip("/") or "/")
+
+
+def _frame(role: str, content: bytes) -> bytes:
+    return b"\x01" + role.encode() + b"\x02" + content + b"\x03"
+
+
+def _dump(value: Any) -> bytes:
+    return orjson.dumps(value, option=orjson.OPT_SORT_KEYS)
+
+
+def _part_bytes(part: Any) -> bytes:
+    """Text parts as text; images, audio and files as opaque bytes of their reference."""
+    if isinstance(part, str):
+        return part.encode()
+    if not isinstance(part, dict):
+        raise NotRoutable("bad_content", f"content part of type {type(part).__name__}")
+    kind = part.get("type")
+    if kind in _TEXT_PART_TYPES and isinstance(part.get("text"), str):
+        return part["text"].encode()
+    return b"\x04" + _dump(part) + b"\x05"
+
+
+def _content_bytes(content: Any) -> bytes:
+    if content is None:
+        return b""
+    if isinstance(content, str):
+        return content.encode()
+    if isinstance(content, list):
+        return b"".join(_part_bytes(part) for part in content)
+    raise NotRoutable("bad_content", f"content of type {type(content).__name__}")
+
+
+def _message_bytes(message: Any) -> tuple[str, bytes]:
+    if not isinstance(message, dict):
+        raise NotRoutable("bad_messages", "message is not an object")
+    role = message.get("role", "user" if "content" in message else message.get("type", ""))
+    if not isinstance(role, str):
+        raise NotRoutable("bad_messages", "role is not a string")
+    if "content" not in message and "type" in message:
+        # Responses API items that are not messages (function_call, reasoning, ...).
+        return role, _dump(message)
+    body = _content_bytes(message.get("content"))
+    extras = {k: message[k] for k in ("name", "tool_calls", "tool_call_id") if k in message}
+    if extras:
+        body += b"\x06" + _dump(extras)
+    return role, body
+
+
+def _conversation(preamble: list[bytes], messages: list[Any]) -> tuple[bytes, int]:
+    chunks = list(preamble)
+    size = sum(len(c) for c in chunks)
+    first_turn_end = 0
+    for message in messages:
+        role, body = _message_bytes(message)
+        framed = _frame(role, body)
+        chunks.append(framed)
+        size += len(framed)
+        if not first_turn_end and role not in _PREAMBLE_ROLES:
+            first_turn_end = size
+    return b"".join(chunks), first_turn_end
+
+
+def _chat_prompt(body: dict[str, Any]) -> tuple[bytes, int]:
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise NotRoutable("no_prompt", "messages missing or empty")
+    preamble = []
+    tools = body.get("tools")
+    if tools:
+        preamble.append(_frame("tools", _dump(tools)))
+    return _conversation(preamble, messages)
+
+
+def _token_bytes(tokens: list[Any]) -> bytes:
+    if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < 2**32 for t in tokens):
+        raise NotRoutable("bad_prompt", "token ids must be non-negative integers")
+    return b"\x07" + array("I", tokens).tobytes()
+
+
+def _completions_prompt(body: dict[str, Any]) -> tuple[bytes, int]:
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
+        prompt = prompt[0]  # a batch: route on its first prompt
+    if isinstance(prompt, str) and prompt:
+        return prompt.encode(), 0
+    if isinstance(prompt, list) and prompt:
+        return _token_bytes(prompt), 0
+    raise NotRoutable("no_prompt", "prompt missing, empty or of an unknown shape")
+
+
+def _responses_prompt(body: dict[str, Any]) -> tuple[bytes, int]:
+    preamble = []
+    instructions = body.get("instructions")
+    if isinstance(instructions, str) and instructions:
+        preamble.append(_frame("system", instructions.encode()))
+    previous = body.get("previous_response_id")
+    if isinstance(previous, str) and previous:
+        preamble.append(_frame("previous", previous.encode()))
+    items = body.get("input")
+    if isinstance(items, str) and items:
+        items = [{"role": "user", "content": items}]
+    if not isinstance(items, list) or not items:
+        raise NotRoutable("no_prompt", "input missing or empty")
+    if body.get("tools"):
+        preamble.insert(0, _frame("tools", _dump(body["tools"])))
+    return _conversation(preamble, items)
+
+
+_PROMPT_BUILDERS = {
+    "chat": _chat_prompt,
+    "completions": _completions_prompt,
+    "responses": _responses_prompt,
+}
+
+
+def parse_request(api: str, body: bytes) -> LLMRequest:
+    """Raise NotRoutable for anything that is not an LLM request we can place."""
+    if not body:
+        raise NotRoutable("empty_body")
+    try:
+        data = orjson.loads(body)
+    except orjson.JSONDecodeError as exc:
+        raise NotRoutable("invalid_json", str(exc)[:80]) from None
+    if not isinstance(data, dict):
+        raise NotRoutable("not_object")
+    model = data.get("model", "")
+    salt = data.get("cache_salt", "")
+    if not isinstance(model, str) or not isinstance(salt, str):
+        raise NotRoutable("bad_model", "model and cache_salt must be strings")
+    prompt, first_turn_end = _PROMPT_BUILDERS[api](data)
+    return LLMRequest(
+        api=api,
+        model=model,
+        cache_salt=salt,
+        prompt=prompt,
+        first_turn_end=first_turn_end,
+        stream=data.get("stream") is True,
+    )
