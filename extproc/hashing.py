@@ -14,7 +14,9 @@ from .prompt import LLMRequest
 
 
 def root_hash(model: str, cache_salt: str = "") -> int:
-    return xxh3_64_intdigest(b"prefix-router/v1\x00" + model.encode() + b"\x00" + cache_salt.encode())
+    return xxh3_64_intdigest(
+        b"prefix-router/v1\x00" + model.encode() + b"\x00" + cache_salt.encode()
+    )
 
 
 def block_hashes(prompt: bytes, root: int, block_size: int, max_blocks: int) -> list[int]:
