@@ -27,7 +27,7 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
-def parse_host_port(value: str) -> tuple[str, int]:
+def parse_host_port(value: str, allow_port_zero: bool = False) -> tuple[str, int]:
     """Split 'ip:port' or '[v6]:port'; Envoy routes on literal IPs, so names are rejected."""
     value = value.strip()
     if value.startswith("["):
@@ -41,7 +41,7 @@ def parse_host_port(value: str) -> tuple[str, int]:
     except ValueError:
         raise ValueError(f"{value!r}: host must be an IP address, not a name") from None
     port_number = int(port)
-    if not 0 < port_number < 65536:
+    if not (0 if allow_port_zero else 1) <= port_number < 65536:
         raise ValueError(f"{value!r}: port out of range")
     return host, port_number
 
@@ -73,6 +73,10 @@ class ServerConfig(_Strict):
     header_name: str = DEFAULT_HEADER
     served_header_name: str = DEFAULT_HEADER + "-served"
     metadata_namespace: str = "envoy.lb"
+    single_destination: bool = Field(
+        default=False,
+        description="emit only the primary endpoint, no fallback list (for original_dst)",
+    )
     max_body_bytes: int = Field(
         default=64 * 1024 * 1024, gt=0, description="bodies above this pass through unrouted"
     )
@@ -86,7 +90,7 @@ class ServerConfig(_Strict):
     @field_validator("listen")
     @classmethod
     def _listen_is_ip_port(cls, value: str) -> str:
-        parse_host_port(value)
+        parse_host_port(value, allow_port_zero=True)
         return value
 
     @field_validator("header_name", "served_header_name")
@@ -118,9 +122,21 @@ class RoutingConfig(_Strict):
     fallbacks: int = Field(default=2, ge=0, le=16, description="extra endpoints in the header")
 
 
+class HealthCheckConfig(_Strict):
+    """Active HTTP probes of the endpoints (the router stops picking a failing one)."""
+
+    enabled: bool = True
+    path: str = "/health"
+    interval_seconds: float = Field(default=1.0, gt=0)
+    timeout_seconds: float = Field(default=1.0, gt=0)
+    unhealthy_threshold: int = Field(default=2, ge=1)
+    healthy_threshold: int = Field(default=1, ge=1)
+
+
 class Config(_Strict):
     server: ServerConfig = ServerConfig()
     routing: RoutingConfig = RoutingConfig()
+    health: HealthCheckConfig = HealthCheckConfig()
     endpoints: tuple[EndpointConfig, ...] = ()
 
     @field_validator("endpoints", mode="before")

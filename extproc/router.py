@@ -84,7 +84,8 @@ class Router:
         return self.index.stats()
 
     # -- decisions ----------------------------------------------------------------------
-    def route(self, request: LLMRequest) -> Decision:
+    def route(self, request: LLMRequest, allowed: frozenset[str] | None = None) -> Decision:
+        """Decide and count the request in flight. ``allowed`` is the proxy's subset hint."""
         cfg = self.config
         root = root_hash(request.model, request.cache_salt)
         hashes = block_hashes(request.prompt, root, cfg.block_size_bytes, cfg.max_blocks)
@@ -94,7 +95,7 @@ class Router:
         views = [
             EndpointView(s.address, float(s.in_flight), s.weight, s.address_hash)
             for s in self._endpoints.values()
-            if s.healthy
+            if s.healthy and (allowed is None or s.address in allowed)
         ]
         matches = self.index.match(hashes, (v.address for v in views))
         decision = self.scheduler.pick(views, matches, len(hashes), key)

@@ -1,0 +1,349 @@
+"""Envoy ext_proc servicer: the per-request state machine and nothing else.
+
+One gRPC stream per HTTP request. BUFFERED: answer the request headers at once, decide on
+the buffered body. FULL_DUPLEX_STREAMED: hold the headers answer until the whole body has
+arrived, decide, answer the headers with the decision, then echo the body back in chunks.
+Requests that are not routable LLM calls pass through with no decision (in BUFFERED mode
+the headers answer tells Envoy to skip sending the body at all).
+The decision's endpoint counts one in-flight request until the stream ends.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+
+import grpc
+import orjson
+from envoy.config.core.v3 import base_pb2
+from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
+from envoy.service.ext_proc.v3 import external_processor_pb2 as ext_pb
+from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ext_grpc
+from envoy.type.v3 import http_status_pb2
+from google.protobuf import struct_pb2
+
+from .config import ServerConfig
+from .prompt import NotRoutable, api_for_path, parse_request
+from .router import Router
+from .scheduler import RULE_NO_ENDPOINT, Decision
+
+log = logging.getLogger(__name__)
+
+FULL_DUPLEX = processing_mode_pb2.ProcessingMode.FULL_DUPLEX_STREAMED
+_OVERWRITE = base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
+_SKIP_BODY = ext_pb.ProcessingResponse(
+    request_headers=ext_pb.HeadersResponse(),
+    mode_override=processing_mode_pb2.ProcessingMode(
+        request_body_mode=processing_mode_pb2.ProcessingMode.NONE,
+        response_header_mode=processing_mode_pb2.ProcessingMode.SKIP,
+    ),
+)
+_EMPTY_REQUEST_HEADERS = ext_pb.ProcessingResponse(request_headers=ext_pb.HeadersResponse())
+_EMPTY_RESPONSE_HEADERS = ext_pb.ProcessingResponse(response_headers=ext_pb.HeadersResponse())
+_EMPTY_REQUEST_TRAILERS = ext_pb.ProcessingResponse(request_trailers=ext_pb.TrailersResponse())
+_EMPTY_RESPONSE_TRAILERS = ext_pb.ProcessingResponse(response_trailers=ext_pb.TrailersResponse())
+_EMPTY_RESPONSE_BODY = ext_pb.ProcessingResponse(response_body=ext_pb.BodyResponse())
+# Echoed body chunks stay well under gRPC's default 4 MiB message limit on Envoy's side.
+ECHO_CHUNK_BYTES = 1024 * 1024
+SUBSET_NAMESPACE = "envoy.lb.subset_hint"
+SUBSET_KEY = "x-gateway-destination-endpoint-subset"
+
+
+@dataclass(slots=True)
+class Outcome:
+    """What happened to one request; handed to the observer when its stream ends."""
+
+    kind: str  # "routed" | "pass_through" | "no_endpoint" | "error"
+    detail: str = ""
+    decision: Decision | None = None
+    api: str = ""
+    model: str = ""
+    prompt_bytes: int = 0
+    body_bytes: int = 0
+    decide_seconds: float = 0.0
+    served: str = ""
+    status: str = ""
+    headers: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class _Exchange:
+    """Per-stream state."""
+
+    full_duplex: bool
+    routable_api: str | None = None
+    passing_through: bool = False
+    decided: bool = False
+    chunks: list[bytes] = field(default_factory=list)
+    size: int = 0
+    subset: frozenset[str] | None = None
+    outcome: Outcome = field(default_factory=lambda: Outcome("pass_through", "no_body"))
+
+
+def _header_map(headers: ext_pb.HttpHeaders) -> dict[str, str]:
+    result = {}
+    for h in headers.headers.headers:
+        result[h.key] = h.raw_value.decode("utf-8", "replace") if h.raw_value else h.value
+    return result
+
+
+def _subset_hint(request: ext_pb.ProcessingRequest) -> frozenset[str] | None:
+    if not request.HasField("metadata_context"):
+        return None
+    namespace = request.metadata_context.filter_metadata.get(SUBSET_NAMESPACE)
+    if namespace is None or SUBSET_KEY not in namespace.fields:
+        return None
+    value = namespace.fields[SUBSET_KEY]
+    if value.HasField("list_value"):
+        return frozenset(v.string_value for v in value.list_value.values)
+    return frozenset(p.strip() for p in value.string_value.split(",") if p.strip())
+
+
+def immediate_response(status: int, message: str) -> ext_pb.ProcessingResponse:
+    body = orjson.dumps({"error": {"message": message, "type": "prefix_router", "code": status}})
+    return ext_pb.ProcessingResponse(
+        immediate_response=ext_pb.ImmediateResponse(
+            status=http_status_pb2.HttpStatus(code=status),
+            headers=ext_pb.HeaderMutation(
+                set_headers=[
+                    base_pb2.HeaderValueOption(
+                        header=base_pb2.HeaderValue(
+                            key="content-type", raw_value=b"application/json"
+                        ),
+                        append_action=_OVERWRITE,
+                    )
+                ]
+            ),
+            body=body,
+            details=f"prefix_router_{status}",
+        )
+    )
+
+
+class ExternalProcessorService(ext_grpc.ExternalProcessorServicer):
+    def __init__(
+        self,
+        router: Router,
+        config: ServerConfig,
+        observer: Callable[[Outcome], None] | None = None,
+    ) -> None:
+        self.router = router
+        self.config = config
+        self.observer = observer
+        self._full_duplex_default = config.body_mode == "full_duplex_streamed"
+
+    # -- building the decision ----------------------------------------------------------
+    def _destination(self, decision: Decision) -> str:
+        if self.config.single_destination or not decision.fallbacks:
+            return decision.endpoint or ""
+        return ",".join([decision.endpoint or "", *decision.fallbacks])
+
+    def _decision_parts(
+        self, decision: Decision
+    ) -> tuple[ext_pb.CommonResponse, struct_pb2.Struct]:
+        value = self._destination(decision)
+        common = ext_pb.CommonResponse(
+            header_mutation=ext_pb.HeaderMutation(
+                set_headers=[
+                    base_pb2.HeaderValueOption(
+                        header=base_pb2.HeaderValue(
+                            key=self.config.header_name, raw_value=value.encode()
+                        ),
+                        append_action=_OVERWRITE,
+                    )
+                ]
+            ),
+            clear_route_cache=True,
+        )
+        metadata = struct_pb2.Struct()
+        metadata.get_or_create_struct(self.config.metadata_namespace)[self.config.header_name] = (
+            value
+        )
+        return common, metadata
+
+    def _decide(self, ex: _Exchange) -> ext_pb.ProcessingResponse | tuple:
+        """Route the buffered body. Returns an ImmediateResponse, or (common, metadata)
+        for a decision, or () for a pass-through."""
+        started = time.perf_counter()
+        body = b"".join(ex.chunks) if len(ex.chunks) != 1 else ex.chunks[0]
+        ex.chunks = [body] if body else []
+        outcome = ex.outcome
+        outcome.body_bytes = len(body)
+        outcome.api = ex.routable_api or ""
+        try:
+            if ex.size > self.config.max_body_bytes:
+                raise NotRoutable("body_too_large")
+            request = parse_request(ex.routable_api or "", body)
+            outcome.model = request.model
+            outcome.prompt_bytes = len(request.prompt)
+            decision = self.router.route(request, allowed=ex.subset)
+        except NotRoutable as exc:
+            outcome.kind, outcome.detail = "pass_through", exc.kind
+            outcome.decide_seconds = time.perf_counter() - started
+            return ()
+        outcome.decision = decision
+        outcome.decide_seconds = time.perf_counter() - started
+        if decision.rule == RULE_NO_ENDPOINT or decision.endpoint is None:
+            outcome.kind = "no_endpoint"
+            return immediate_response(503, "no ready endpoint for this request")
+        outcome.kind = "routed"
+        return self._decision_parts(decision)
+
+    # -- the stream ---------------------------------------------------------------------
+    async def Process(
+        self,
+        request_iterator: AsyncIterator[ext_pb.ProcessingRequest],
+        context: grpc.aio.ServicerContext,
+    ) -> AsyncIterator[ext_pb.ProcessingResponse]:
+        ex = _Exchange(full_duplex=self._full_duplex_default)
+        try:
+            async for request in request_iterator:
+                for response in self._handle(ex, request):
+                    yield response
+        except Exception as exc:  # never let one request take the service down
+            ex.outcome.kind, ex.outcome.detail = "error", type(exc).__name__
+            log.exception("ext_proc stream failed; Envoy fails open for this request")
+            raise
+        finally:
+            if ex.outcome.decision is not None:
+                self.router.finish(ex.outcome.decision)
+            if self.observer is not None:
+                self.observer(ex.outcome)
+
+    def _handle(self, ex: _Exchange, request: ext_pb.ProcessingRequest) -> list:
+        kind = request.WhichOneof("request")
+        if kind == "request_headers":
+            return self._on_request_headers(ex, request)
+        if kind == "request_body":
+            return self._on_request_body(ex, request.request_body)
+        if kind == "request_trailers":
+            return self._on_request_trailers(ex)
+        if kind == "response_headers":
+            self._on_response_headers(ex, request)
+            return [_EMPTY_RESPONSE_HEADERS]
+        if kind == "response_body":
+            return [_EMPTY_RESPONSE_BODY]
+        if kind == "response_trailers":
+            return [_EMPTY_RESPONSE_TRAILERS]
+        return []
+
+    def _on_request_headers(self, ex: _Exchange, request: ext_pb.ProcessingRequest) -> list:
+        if request.HasField("protocol_config"):
+            ex.full_duplex = request.protocol_config.request_body_mode == FULL_DUPLEX
+        headers = _header_map(request.request_headers)
+        ex.outcome.headers = headers
+        api = api_for_path(headers.get(":path", ""))
+        method = headers.get(":method", "")
+        ex.subset = _subset_hint(request)
+        reason = ""
+        if method != "POST":
+            reason = "method"
+        elif api is None or api not in self._routable_apis():
+            reason = "path"
+        elif request.request_headers.end_of_stream:
+            reason = "empty_body"
+        elif headers.get("content-encoding", "identity").lower() != "identity":
+            reason = "content_encoding"
+        elif int(headers.get("content-length", "0") or 0) > self.config.max_body_bytes:
+            reason = "body_too_large"
+        if reason:
+            ex.passing_through = True
+            ex.outcome.kind, ex.outcome.detail = "pass_through", reason
+            # In full-duplex mode the body still streams through us; echo it unchanged.
+            return [_EMPTY_REQUEST_HEADERS if ex.full_duplex else _SKIP_BODY]
+        ex.routable_api = api
+        ex.outcome.api = api
+        if ex.full_duplex:
+            return []  # held until the body has arrived and the decision is made
+        return [_EMPTY_REQUEST_HEADERS]
+
+    def _routable_apis(self) -> set[str]:
+        return {a for a in (api_for_path(p) for p in self.config.routable_paths) if a}
+
+    def _on_request_body(self, ex: _Exchange, body: ext_pb.HttpBody) -> list:
+        if ex.passing_through or ex.decided:
+            if ex.full_duplex:
+                return [_echo(body.body, body.end_of_stream)]
+            return [ext_pb.ProcessingResponse(request_body=ext_pb.BodyResponse())]
+        ex.chunks.append(body.body)
+        ex.size += len(body.body)
+        if ex.full_duplex:
+            if ex.size > self.config.max_body_bytes:
+                return self._give_up_full_duplex(ex, body.end_of_stream)
+            if not body.end_of_stream:
+                return []
+            return self._finish_full_duplex(ex, end_of_stream=True)
+        # BUFFERED: Envoy sends the whole body in one message.
+        ex.decided = True
+        result = self._decide(ex)
+        if isinstance(result, ext_pb.ProcessingResponse):
+            return [result]
+        if not result:
+            return [ext_pb.ProcessingResponse(request_body=ext_pb.BodyResponse())]
+        common, metadata = result
+        return [
+            ext_pb.ProcessingResponse(
+                request_body=ext_pb.BodyResponse(response=common), dynamic_metadata=metadata
+            )
+        ]
+
+    def _on_request_trailers(self, ex: _Exchange) -> list:
+        responses = []
+        if ex.full_duplex and ex.routable_api and not ex.decided and not ex.passing_through:
+            responses = self._finish_full_duplex(ex, end_of_stream=False)
+        return [*responses, _EMPTY_REQUEST_TRAILERS]
+
+    def _finish_full_duplex(self, ex: _Exchange, end_of_stream: bool) -> list:
+        ex.decided = True
+        result = self._decide(ex)
+        if isinstance(result, ext_pb.ProcessingResponse):
+            return [result]
+        if result:
+            common, metadata = result
+            first = ext_pb.ProcessingResponse(
+                request_headers=ext_pb.HeadersResponse(response=common), dynamic_metadata=metadata
+            )
+        else:
+            first = _EMPTY_REQUEST_HEADERS
+        return [first, *_echo_all(ex.chunks, end_of_stream)]
+
+    def _give_up_full_duplex(self, ex: _Exchange, end_of_stream: bool) -> list:
+        """Body over the limit: release the headers with no decision and echo what we hold."""
+        ex.decided = ex.passing_through = True
+        ex.outcome.kind, ex.outcome.detail = "pass_through", "body_too_large"
+        chunks, ex.chunks = ex.chunks, []
+        return [_EMPTY_REQUEST_HEADERS, *_echo_all(chunks, end_of_stream)]
+
+    def _on_response_headers(self, ex: _Exchange, request: ext_pb.ProcessingRequest) -> None:
+        headers = _header_map(request.response_headers)
+        ex.outcome.status = headers.get(":status", "")
+        served = headers.get(self.config.served_header_name, "")
+        ex.outcome.served = served
+        decision = ex.outcome.decision
+        if decision is not None and served:
+            self.router.served(decision, served)
+
+
+def _echo(data: bytes, end_of_stream: bool) -> ext_pb.ProcessingResponse:
+    return ext_pb.ProcessingResponse(
+        request_body=ext_pb.BodyResponse(
+            response=ext_pb.CommonResponse(
+                body_mutation=ext_pb.BodyMutation(
+                    streamed_response=ext_pb.StreamedBodyResponse(
+                        body=data, end_of_stream=end_of_stream
+                    )
+                )
+            )
+        )
+    )
+
+
+def _echo_all(chunks: list[bytes], end_of_stream: bool) -> list[ext_pb.ProcessingResponse]:
+    data = b"".join(chunks)
+    pieces = [data[i : i + ECHO_CHUNK_BYTES] for i in range(0, len(data), ECHO_CHUNK_BYTES)]
+    if not pieces:
+        pieces = [b""]
+    last = len(pieces) - 1
+    return [_echo(piece, end_of_stream and i == last) for i, piece in enumerate(pieces)]
