@@ -3,8 +3,8 @@
 The bytes need not equal the chat template's output; they must have the same prefix
 structure: a conversation's earlier turns produce a byte prefix of its later turns, and two
 requests that a model server would see with a shared prefix share a byte prefix here.
-Each message is framed as ``\\x01role\\x02content\\x03`` so content cannot forge a boundary
-that shifts the following messages.
+Each message is framed as ``\\x01role\\x02content\\x03`` with framing bytes inside it
+escaped, so content cannot forge a boundary that shifts the following messages.
 """
 
 from __future__ import annotations
@@ -48,8 +48,20 @@ def api_for_path(path: str) -> str | None:
     return _API_BY_PATH.get(path.split("?", 1)[0].rstrip("/") or "/")
 
 
+_FRAMING_BYTES = (b"\x1b", b"\x01", b"\x02", b"\x03")
+
+
+def _escape(data: bytes) -> bytes:
+    """Escape the framing bytes (rare in real text, so usually four memchr scans)."""
+    if any(b in data for b in _FRAMING_BYTES):
+        data = data.replace(b"\x1b", b"\x1b\x1b")
+        for b in _FRAMING_BYTES[1:]:
+            data = data.replace(b, b"\x1b" + bytes([0x40 + b[0]]))
+    return data
+
+
 def _frame(role: str, content: bytes) -> bytes:
-    return b"\x01" + role.encode() + b"\x02" + content + b"\x03"
+    return b"\x01" + _escape(role.encode()) + b"\x02" + _escape(content) + b"\x03"
 
 
 def _dump(value: Any) -> bytes:

@@ -1,0 +1,67 @@
+"""Block hashes: stable, chained, seeded by model and salt, capped."""
+
+from extproc.hashing import block_hashes, placement_key, root_hash
+from extproc.prompt import LLMRequest
+
+
+def test_hashes_are_stable_across_calls_and_processes():
+    # Fixed value: a change here silently invalidates every deployed index.
+    assert root_hash("m", "") == root_hash("m")
+    assert block_hashes(b"a" * 128, root_hash("m"), 64, 10) == block_hashes(
+        b"a" * 128, root_hash("m"), 64, 10
+    )
+    assert len({root_hash("m"), root_hash("n"), root_hash("m", "salt")}) == 3
+
+
+def test_equal_prefixes_share_leading_hashes_only():
+    root = root_hash("m")
+    a = block_hashes(b"x" * 64 + b"y" * 64 + b"z" * 64, root, 64, 10)
+    b = block_hashes(b"x" * 64 + b"y" * 64 + b"w" * 64, root, 64, 10)
+    assert a[:2] == b[:2] and a[2] != b[2]
+
+
+def test_chain_makes_position_matter():
+    root = root_hash("m")
+    a = block_hashes(b"x" * 64 + b"y" * 64, root, 64, 10)
+    b = block_hashes(b"y" * 64 + b"y" * 64, root, 64, 10)
+    assert a[1] != b[1]  # same block content, different history
+
+
+def test_only_full_blocks_and_the_cap():
+    root = root_hash("m")
+    assert block_hashes(b"x" * 63, root, 64, 10) == []
+    assert len(block_hashes(b"x" * 130, root, 64, 10)) == 2
+    assert len(block_hashes(b"x" * 6400, root, 64, 10)) == 10
+
+
+def test_models_never_share_blocks():
+    assert block_hashes(b"x" * 64, root_hash("a"), 64, 1) != block_hashes(b"x" * 64, root_hash("b"), 64, 1)
+
+
+def _request(prompt: bytes, first_turn_end: int) -> LLMRequest:
+    return LLMRequest("chat", "m", "", prompt, first_turn_end, False)
+
+
+def test_placement_key_is_the_same_for_every_turn_of_a_conversation():
+    root = root_hash("m")
+    first = b"s" * 300 + b"u" * 100
+    turn1, turn2 = first, first + b"a" * 500 + b"u" * 200
+    keys = [
+        placement_key(_request(p, len(first)), block_hashes(p, root, 64, 100), root, 64, "first_turn", 4)
+        for p in (turn1, turn2)
+    ]
+    assert keys[0] == keys[1]
+    other = b"s" * 300 + b"v" * 100
+    other_key = placement_key(
+        _request(other, len(other)), block_hashes(other, root, 64, 100), root, 64, "first_turn", 4
+    )
+    assert other_key != keys[0]
+
+
+def test_placement_key_by_blocks_and_for_short_prompts():
+    root = root_hash("m")
+    p = b"q" * 64 * 8
+    key = placement_key(_request(p, 0), block_hashes(p, root, 64, 100), root, 64, "blocks", 4)
+    assert key == block_hashes(p, root, 64, 100)[3]
+    short = placement_key(_request(b"hi", 2), [], root, 64, "first_turn", 4)
+    assert short != placement_key(_request(b"ho", 2), [], root, 64, "first_turn", 4)
