@@ -32,6 +32,19 @@ def block_hashes(prompt: bytes, root: int, block_size: int, max_blocks: int) -> 
     return hashes
 
 
+def session_blocks(
+    request: LLMRequest, hashes: list[int], block_size: int, mode: str, cold_start_blocks: int
+) -> int:
+    """How many leading blocks identify the request's session (the placement-key prefix).
+
+    An endpoint holding fewer than this many blocks shares only a common preamble (say, a
+    system prompt used by every conversation) with the request, not the session itself.
+    """
+    if mode == "first_turn" and request.first_turn_end:
+        return min(max(1, request.first_turn_end // block_size), len(hashes))
+    return min(cold_start_blocks, len(hashes))
+
+
 def placement_key(
     request: LLMRequest,
     hashes: list[int],

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from .config import EndpointConfig, RoutingConfig
-from .hashing import block_hashes, placement_key, root_hash
+from .hashing import block_hashes, placement_key, root_hash, session_blocks
 from .index import IndexStats, PrefixIndex
 from .prompt import LLMRequest
 from .scheduler import RULE_NO_ENDPOINT, Decision, EndpointView, Scheduler, address_hash
@@ -98,7 +98,10 @@ class Router:
             if s.healthy and (allowed is None or s.address in allowed)
         ]
         matches = self.index.match(hashes, (v.address for v in views))
-        decision = self.scheduler.pick(views, matches, len(hashes), key)
+        session = session_blocks(
+            request, hashes, cfg.block_size_bytes, cfg.cold_start_key, cfg.cold_start_blocks
+        )
+        decision = self.scheduler.pick(views, matches, len(hashes), key, session)
         decision.hashes = hashes
         if decision.endpoint is not None:
             self.index.record(decision.endpoint, hashes)

@@ -4,13 +4,17 @@ The algorithm, top to bottom:
 1. Guard: an endpoint may take this request only if its load stays under
    max((1+eps) x its weighted share of (total load + 1), share + slack). If no endpoint is
    under the guard, the guard is lifted (it can only spread load, never refuse it).
-2. Affinity: if an eligible endpoint holds >= min_match_blocks of the prompt's prefix, score
-   every eligible endpoint as prefix_weight x matched fraction - load_weight x load / cap and
-   take the best. Rule 'prefix_affinity', or 'load_guard' when a better-matching endpoint
-   was skipped by the guard.
-3. Cold start: nobody eligible holds the prefix → rendezvous-hash the placement key over the
-   eligible endpoints (highest hash wins). Independent router replicas with empty indexes
-   agree on this choice, so a conversation's turns meet on one endpoint without shared state.
+2. Affinity: if an eligible endpoint holds the request's session prefix (the blocks up to the
+   end of the first user turn; at least min_match_blocks), score every eligible endpoint as
+   prefix_weight x matched fraction - load_weight x load / cap and take the best.
+   Rule 'prefix_affinity', or 'load_guard' when a better-matching endpoint was skipped.
+3. Cold start: nobody eligible holds the session → rendezvous-hash the placement key over
+   the eligible endpoints (highest hash wins). Independent router replicas with empty
+   indexes agree on this choice, so a conversation's turns meet on one endpoint without
+   shared state. A match on a shared preamble alone (one system prompt for every
+   conversation) does not count: following it would pile every new conversation onto the
+   first endpoint that saw the preamble, while spreading costs one preamble prefill per
+   endpoint, once.
 Ties are broken by the rendezvous order, never by list order, for the same reason.
 Fallbacks are the next endpoints in the same ranking.
 """
@@ -112,6 +116,7 @@ class Scheduler:
         matches: dict[str, int],
         total_blocks: int,
         key: int,
+        session_blocks: int = 0,
     ) -> Decision:
         if not endpoints:
             return Decision(None, RULE_NO_ENDPOINT, total_blocks=total_blocks, placement_key=key)
@@ -138,7 +143,8 @@ class Scheduler:
                 c.eligible = True
 
         best_eligible_match = max((c.matched_blocks for c in candidates if c.eligible), default=0)
-        if best_eligible_match >= cfg.min_match_blocks and total_blocks:
+        needed = max(cfg.min_match_blocks, session_blocks)
+        if best_eligible_match >= needed and total_blocks:
             for c in candidates:
                 c.score = (
                     cfg.prefix_weight * c.matched_blocks / total_blocks
@@ -154,7 +160,7 @@ class Scheduler:
                 c.score = 0.0
             ranked = sorted(candidates, key=_rank_key)
             chosen = ranked[0]
-            skipped = any(not c.eligible and c.matched_blocks for c in candidates)
+            skipped = any(not c.eligible and c.matched_blocks >= needed for c in candidates)
             rule = RULE_LOAD_GUARD if skipped else RULE_COLD_START
         return Decision(
             endpoint=chosen.address,

