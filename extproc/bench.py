@@ -1,0 +1,195 @@
+"""`prefix-router bench`: benchmarks. `simulate` replays a workload through routing policies
+on simulated replicas (extproc.sim) and compares cache-hit ratio, TTFT and load.
+
+Example: prefix-router bench simulate --trace ../shared/workloads/mooncake/synthetic_trace.jsonl
+         --replicas 8 --policies all --json out.json --plot out.png --sweep-k 1,2,4,8
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from .sim.engine import SimParams, simulate
+from .sim.policies import ALL_POLICIES, BOUNDS, ideal_hit_tokens
+from .sim.replica import CostModel
+from .sim.report import plot, summarize, table
+from .sim.workloads import PRESETS, Workload, load_mooncake
+
+# Workload overrides: CLI flag → generator keyword (None = keep the preset's value).
+_WORKLOAD_FLAGS = {
+    "groups": int, "prompts": int, "system_tokens": int, "question_tokens": int,
+    "output_tokens": int, "rate": float, "requests": int, "sessions": int, "turns": int,
+    "think_s": float, "system_prompts": int,
+}
+_SHARED_ONLY = {"groups", "prompts", "requests"}
+_CHAT_ONLY = {"sessions", "turns", "think_s", "system_prompts"}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    sub = parser.add_subparsers(dest="bench", required=True, metavar="BENCHMARK")
+    sim = sub.add_parser("simulate", help="replay a workload through routing policies")
+    source = sim.add_mutually_exclusive_group(required=True)
+    source.add_argument("--trace", help="Mooncake JSONL trace (timestamp, hash_ids, ...)")
+    source.add_argument("--workload", choices=sorted(PRESETS), help="generated workload")
+    for flag, kind in _WORKLOAD_FLAGS.items():
+        sim.add_argument("--" + flag.replace("_", "-"), type=kind, help="workload parameter")
+    sim.add_argument("--limit", type=int, help="use only the first N trace lines")
+    sim.add_argument("--replicas", type=int, default=8, help="model-server replicas")
+    sim.add_argument(
+        "--capacity-tokens", type=int, default=500_000, help="KV cache per replica (tokens)"
+    )
+    sim.add_argument(
+        "--router-replicas", type=int, default=1, help="K independent router instances"
+    )
+    sim.add_argument("--speedup", type=float, default=1.0, help="trace time compression")
+    sim.add_argument("--seed", type=int, default=0)
+    sim.add_argument(
+        "--policies", default="all", help=f"comma list or 'all': {','.join(ALL_POLICIES)}"
+    )
+    sim.add_argument(
+        "--cost", action="append", default=[], metavar="KEY=VALUE",
+        help="override a cost-model constant (repeatable): "
+        + ", ".join(f.name for f in dataclasses.fields(CostModel)),
+    )
+    sim.add_argument("--json", dest="json_out", help="write results as JSON here")
+    sim.add_argument("--plot", help="write a PNG here (matplotlib)")
+    sim.add_argument(
+        "--sweep-k", help="also run router replicas K in this comma list (e.g. 1,2,4,8)"
+    )
+    sim.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def _cost_model(pairs: list[str]) -> CostModel:
+    fields = {f.name: f.type for f in dataclasses.fields(CostModel)}
+    updates: dict[str, Any] = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or key not in fields:
+            raise SystemExit(f"--cost {pair!r}: expected KEY=VALUE with KEY in {sorted(fields)}")
+        updates[key] = int(value) if fields[key] in (int, "int") else float(value)
+    return dataclasses.replace(CostModel(), **updates)
+
+
+def _workload(args: argparse.Namespace) -> Workload:
+    if args.trace:
+        return load_mooncake(args.trace, speedup=args.speedup, limit=args.limit)
+    overrides = {k: getattr(args, k) for k in _WORKLOAD_FLAGS}
+    chat = args.workload.startswith(("multi-turn", "small-multi"))
+    unused = _SHARED_ONLY if chat else _CHAT_ONLY
+    bad = [k for k in unused if overrides.get(k) is not None]
+    if bad:
+        raise SystemExit(f"--workload {args.workload} does not take {', '.join(bad)}")
+    kwargs = {k: v for k, v in overrides.items() if k not in unused}
+    workload = PRESETS[args.workload](seed=args.seed, **kwargs)
+    if args.speedup != 1.0:
+        scaled = [dataclasses.replace(r, arrival_s=r.arrival_s / args.speedup) for r in workload.requests]
+        workload = Workload(workload.name, scaled, {**workload.params, "speedup": args.speedup})
+    return workload
+
+
+def _policy_names(spec: str) -> list[str]:
+    names = ALL_POLICIES if spec.strip() == "all" else [p.strip() for p in spec.split(",") if p]
+    unknown = [n for n in names if n not in ALL_POLICIES]
+    if unknown:
+        raise SystemExit(f"unknown policies {unknown}; choose from {', '.join(ALL_POLICIES)}")
+    return list(names)
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.bench != "simulate":
+        raise SystemExit(f"unknown benchmark {args.bench}")
+    return simulate_command(args)
+
+
+def simulate_command(args: argparse.Namespace) -> int:
+    from tqdm import tqdm
+
+    started = time.perf_counter()
+    workload = _workload(args)
+    names = _policy_names(args.policies)
+    cost = _cost_model(args.cost)
+    params = SimParams(
+        replicas=args.replicas,
+        capacity_tokens=args.capacity_tokens,
+        router_replicas=args.router_replicas,
+        seed=args.seed,
+        cost=cost,
+    )
+    ks = sorted({int(k) for k in args.sweep_k.split(",")}) if args.sweep_k else []
+    swept = [n for n in names if n not in BOUNDS]
+    extra_runs = [(n, k) for k in ks if k != args.router_replicas for n in swept]
+    requests = workload.requests
+    prompt_tokens = sum(r.input_tokens for r in requests)
+    ideal = ideal_hit_tokens(requests, cost.kv_block_tokens) / max(1, prompt_tokens)
+
+    bar = tqdm(
+        total=len(requests) * (len(names) + len(extra_runs)),
+        unit="req",
+        disable=True if args.no_progress else None,
+        file=sys.stderr,
+    )
+    results: dict[str, dict[str, Any]] = {}
+    for name in names:
+        bar.set_description(name)
+        results[name] = summarize(simulate(workload, name, params, bar.update), ideal)
+    sweep: dict[str, dict[int, float]] = {}
+    if ks:
+        for name in swept:
+            sweep[name] = {args.router_replicas: results[name]["hit_ratio"]}
+        for name, k in extra_runs:
+            bar.set_description(f"{name} K={k}")
+            run_params = dataclasses.replace(params, router_replicas=k)
+            summary = summarize(simulate(workload, name, run_params, bar.update), ideal)
+            sweep[name][k] = summary["hit_ratio"]
+    bar.close()
+
+    doc: dict[str, Any] = {
+        "policies": results,
+        "ideal_hit_ratio": round(ideal, 4),
+        "params": {
+            "workload": workload.name,
+            **workload.params,
+            "requests": len(requests),
+            "prompt_tokens": prompt_tokens,
+            "replicas": args.replicas,
+            "capacity_tokens": args.capacity_tokens,
+            "router_replicas": args.router_replicas,
+            "seed": args.seed,
+            "cost_model": cost.as_dict(),
+        },
+        "wall_seconds": round(time.perf_counter() - started, 2),
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+    }
+    if sweep:
+        doc["sweep_k"] = {n: {str(k): v for k, v in sorted(by_k.items())} for n, by_k in sweep.items()}
+
+    print(
+        f"workload {workload.name}: {len(requests)} requests, {prompt_tokens:,} prompt tokens; "
+        f"{args.replicas} replicas x {args.capacity_tokens:,} KV tokens; "
+        f"router replicas K={args.router_replicas}; seed {args.seed}"
+    )
+    print("cost model: " + ", ".join(f"{k}={v}" for k, v in cost.as_dict().items()))
+    print(f"ideal hit ratio (one infinite cache): {ideal:.3f}\n")
+    print(table(results))
+    if sweep:
+        print("\nhit ratio vs router replicas K:")
+        print("policy".ljust(18) + "".join(f"K={k}".rjust(8) for k in ks))
+        for name, by_k in sweep.items():
+            print(name.ljust(18) + "".join(f"{by_k[k]:8.3f}" for k in ks))
+    print(f"\n{doc['wall_seconds']:.1f} s wall")
+    if args.json_out:
+        Path(args.json_out).write_text(json.dumps(doc, indent=2) + "\n")
+    if args.plot:
+        title = (
+            f"{workload.name}: {args.replicas} replicas x {args.capacity_tokens:,} tokens, "
+            f"K={args.router_replicas}"
+        )
+        plot(args.plot, title, results, ideal, sweep or None)
+    return 0

@@ -1,0 +1,117 @@
+"""The discrete-event loop: arrivals → policy → replica queues → prefill → decode → finish.
+
+Events live in one heapq ordered by (time, sequence), so equal-time events run in the order
+they were created and a run is a pure function of (workload, policy, params, seed).
+"""
+
+from __future__ import annotations
+
+import heapq
+import random
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from ..config import RoutingConfig
+from .policies import PolicyContext, make_policy
+from .replica import CostModel, Replica
+from .workloads import SimRequest, Workload
+
+ARRIVAL, PREFILL_DONE, FINISH = 0, 1, 2
+
+
+@dataclass(frozen=True)
+class SimParams:
+    replicas: int = 8
+    capacity_tokens: int = 500_000
+    router_replicas: int = 1
+    seed: int = 0
+    cost: CostModel = field(default_factory=CostModel)
+    routing: RoutingConfig = field(default_factory=RoutingConfig)
+
+
+@dataclass(slots=True)
+class RequestRecord:
+    replica: int = -1
+    hit_tokens: int = 0
+    queue_ms: float = 0.0
+    prefill_ms: float = 0.0
+    ttft_ms: float = 0.0
+
+
+@dataclass
+class RunResult:
+    policy: str
+    params: SimParams
+    records: list[RequestRecord]
+    replicas: list[Replica]
+    requests: list[SimRequest]
+    rules: dict[str, int]
+    sim_seconds: float
+
+
+def simulate(
+    workload: Workload,
+    policy: str,
+    params: SimParams,
+    progress: Callable[[int], None] | None = None,
+) -> RunResult:
+    """Replay ``workload`` through ``policy``; ``progress(n)`` is told of every n arrivals."""
+    requests = workload.requests
+    replicas = [Replica(i, params.capacity_tokens, params.cost) for i in range(params.replicas)]
+    ctx = PolicyContext(
+        replicas=replicas,
+        rng=random.Random(params.seed),
+        capacity_tokens=params.capacity_tokens,
+        routing=params.routing,
+        kv_block_tokens=params.cost.kv_block_tokens,
+    )
+    chunk_tokens = requests[0].chunk_tokens if requests else 16
+    router = make_policy(policy, ctx, params.router_replicas, chunk_tokens)
+    records = [RequestRecord() for _ in requests]
+    handles: dict[int, object] = {}
+    heap: list[tuple[float, int, int, SimRequest]] = []
+    seq = 0
+    for request in requests:
+        heap.append((request.arrival_s * 1000.0, seq, ARRIVAL, request))
+        seq += 1
+    heapq.heapify(heap)
+
+    def try_start(replica: Replica, now: float) -> None:
+        nonlocal seq
+        if not replica.can_start():
+            return
+        request, hit, duration = replica.start_prefill()
+        record = records[request.rid]
+        record.hit_tokens = hit
+        record.queue_ms = now - request.arrival_s * 1000.0
+        record.prefill_ms = duration
+        heapq.heappush(heap, (now + duration, seq, PREFILL_DONE, request))
+        seq += 1
+
+    arrived, now = 0, 0.0
+    while heap:
+        now, _, kind, request = heapq.heappop(heap)
+        if kind == ARRIVAL:
+            index, handle = router.route(request, now / 1000.0)
+            handles[request.rid] = handle
+            records[request.rid].replica = index
+            replicas[index].enqueue(request)
+            try_start(replicas[index], now)
+            arrived += 1
+            if progress is not None and arrived % 256 == 0:
+                progress(256)
+        elif kind == PREFILL_DONE:
+            replica = replicas[records[request.rid].replica]
+            records[request.rid].ttft_ms = now - request.arrival_s * 1000.0
+            decode = replica.end_prefill(request)
+            heapq.heappush(heap, (now + decode, seq, FINISH, request))
+            seq += 1
+            try_start(replica, now)
+        else:
+            replica = replicas[records[request.rid].replica]
+            replica.finish(request)
+            router.finish(handles.pop(request.rid))
+            try_start(replica, now)
+    if progress is not None and arrived % 256:
+        progress(arrived % 256)
+    return RunResult(policy, params, records, replicas, requests, router.rules(), now / 1000.0)

@@ -1,0 +1,439 @@
+"""Routing policies behind one interface: route(request, now) → (replica, handle); finish.
+
+``ours`` drives extproc.router.Router itself (prompt bytes derived from the chunk ids, so
+the core's hashing, index and scheduler run unchanged). The peers are re-implemented from
+their public descriptions (/work/shared/notes/peer-policies.md); each docstring cites the
+parameters used. Indexes of the peers work on the workload's chunk ids (see cache.py),
+which is exact for chained ids and approximates their character- or 64-char-block
+granularity at the chunk size (16 tokens for generated workloads, 512 for Mooncake).
+Router-tracked state (in-flight counts, predicted caches) is per policy instance; with
+K router replicas each instance sees only the requests sent through it. Metrics a real
+router scrapes from the model servers (queue length, KV usage) are read exactly, unlagged.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+import random
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from xxhash import xxh3_64_intdigest
+
+from ..config import EndpointConfig, RoutingConfig
+from ..prompt import LLMRequest
+from ..router import Router
+from .cache import ChunkLRU
+from .replica import Replica, cache_units
+from .workloads import SimRequest
+
+BYTES_PER_TOKEN = 4
+
+
+class Policy(Protocol):
+    def route(self, request: SimRequest, now: float) -> tuple[int, Any]: ...
+
+    def finish(self, handle: Any) -> None: ...
+
+
+@dataclass
+class PolicyContext:
+    replicas: list[Replica]
+    rng: random.Random
+    capacity_tokens: int
+    routing: RoutingConfig = field(default_factory=RoutingConfig)
+    kv_block_tokens: int = 16
+
+    @property
+    def n(self) -> int:
+        return len(self.replicas)
+
+
+def _argbest(values: Sequence[float], rng: random.Random, highest: bool = True) -> int:
+    """Index of the best value, ties broken at random (as the Go and Rust pickers do)."""
+    best = max(values) if highest else min(values)
+    ties = [i for i, v in enumerate(values) if v == best]
+    return ties[0] if len(ties) == 1 else rng.choice(ties)
+
+
+class _Tracked:
+    """Router-tracked in-flight count per replica (what SGLang & co call 'load')."""
+
+    def __init__(self, ctx: PolicyContext) -> None:
+        self.ctx = ctx
+        self.load = [0] * ctx.n
+
+    def _sent(self, replica: int) -> tuple[int, Any]:
+        self.load[replica] += 1
+        return replica, replica
+
+    def finish(self, handle: Any) -> None:
+        self.load[handle] -= 1
+
+
+class RandomPolicy(_Tracked):
+    def route(self, request: SimRequest, now: float) -> tuple[int, Any]:
+        return self._sent(self.ctx.rng.randrange(self.ctx.n))
+
+
+class RoundRobinPolicy(_Tracked):
+    def __init__(self, ctx: PolicyContext) -> None:
+        super().__init__(ctx)
+        self.next = ctx.rng.randrange(ctx.n)
+
+    def route(self, request: SimRequest, now: float) -> tuple[int, Any]:
+        replica, self.next = self.next, (self.next + 1) % self.ctx.n
+        return self._sent(replica)
+
+
+class LeastLoadedPolicy(_Tracked):
+    """Fewest router-tracked in-flight requests; ties at random."""
+
+    def route(self, request: SimRequest, now: float) -> tuple[int, Any]:
+        return self._sent(_argbest(self.load, self.ctx.rng, highest=False))
+
+
+class ConsistentHashPolicy(_Tracked):
+    """Hash ring (160 virtual nodes per replica, xxh3) keyed on the prompt's first block."""
+
+    VNODES = 160
+
+    def __init__(self, ctx: PolicyContext) -> None:
+        super().__init__(ctx)
+        points = sorted(
+            (xxh3_64_intdigest(f"replica-{r}#{v}".encode()), r)
+            for r in range(ctx.n)
+            for v in range(self.VNODES)
+        )
+        self.keys = [p for p, _ in points]
+        self.owners = [r for _, r in points]
+
+    def route(self, request: SimRequest, now: float) -> tuple[int, Any]:
+        key = xxh3_64_intdigest(request.ids[0].to_bytes(8, "little"))
+        slot = bisect.bisect(self.keys, key) % len(self.keys)
+        return self._sent(self.owners[slot])
+
+
+def _truncate(request: SimRequest, unit_tokens: int, max_units: int) -> tuple[list[int], int, int]:
+    """Chunk ids covering at most ``max_units`` units; (ids, units per chunk, last units)."""
+    full = request.chunk_tokens // unit_tokens
+    last = request.last_tokens // unit_tokens
+    ids = list(request.ids)
+    total = full * (len(ids) - 1) + last
+    if total > max_units and full:
+        keep = min(len(ids), max_units // full)
+        if keep == 0:
+            return ids[:1], full, max_units
+        ids, last = ids[:keep], full
+    return ids, full, last
+
+
+class GaiePolicy:
+    """Gateway API Inference Extension endpoint picker, default profile (2025-11).
+
+    Weighted sum of scorers, each in [0, 1], max-score pick (random ties):
+    prefix-cache ×3 (consecutive matched 64-char blocks / total blocks, at most 256 blocks,
+    per-endpoint LRU of 31,250 block hashes, updated for the picked endpoint at send),
+    queue ×2 (min-max normalised waiting requests, 1.0 = shortest, all 1.0 if equal),
+    kv-cache-utilization ×2 (1 − KV usage). 64 chars = 16 tokens at 4 chars/token.
+    """
+
+    PREFIX_W, QUEUE_W, KV_W = 3.0, 2.0, 2.0
+    BLOCK_TOKENS, MAX_BLOCKS, LRU_BLOCKS = 16, 256, 31_250
+
+    def __init__(self, ctx: PolicyContext) -> None:
+        self.ctx = ctx
+        self.index = [ChunkLRU(self.LRU_BLOCKS) for _ in range(ctx.n)]
+
+    def route(self, request: SimRequest, now: float) -> tuple[int, Any]:
+        ids, full, last = _truncate(request, self.BLOCK_TOKENS, self.MAX_BLOCKS)
+        total = full * (len(ids) - 1) + last
+        waiting = [len(r.waiting) for r in self.ctx.replicas]
+        lo, hi = min(waiting), max(waiting)
+        scores = []
+        for r, replica in enumerate(self.ctx.replicas):
+            prefix = self.index[r].match(ids, full, last) / total if total else 0.0
+            queue = 1.0 if hi == lo else (hi - waiting[r]) / (hi - lo)
+            kv = 1.0 - replica.kv_usage()
+            scores.append(self.PREFIX_W * prefix + self.QUEUE_W * queue + self.KV_W * kv)
+        chosen = _argbest(scores, self.ctx.rng)
+        if total:
+            self.index[chosen].touch(ids, full, last)
+        return chosen, None
+
+    def finish(self, handle: Any) -> None:
+        pass
+
+
+class SglangCacheAwarePolicy(_Tracked):
+    """SGLang router ``cache_aware`` with the CLI defaults: cache_threshold 0.3,
+    balance_abs_threshold 64, balance_rel_threshold 1.5, max_tree_size 2^26 chars per tenant.
+
+    If max_load − min_load > 64 and max_load > 1.5 × min_load: least-loaded (still inserted
+    into its tree). Else the worker with the longest match if matched/total > 0.3, otherwise
+    the worker with the smallest tree. Load = router-tracked in-flight. The radix tree is
+    approximated over chunk ids (exact for chained ids, at chunk granularity); eviction is
+    applied on insert rather than every 120 s.
+    """
+
+    CACHE_THRESHOLD, BALANCE_ABS, BALANCE_REL = 0.3, 64, 1.5
+    MAX_TREE_TOKENS = 2**26 // BYTES_PER_TOKEN
+
+    def __init__(self, ctx: PolicyContext) -> None:
+        super().__init__(ctx)
+        self.trees = [ChunkLRU(self.MAX_TREE_TOKENS) for _ in range(ctx.n)]
+
+    def route(self, request: SimRequest, now: float) -> tuple[int, Any]:
+        full, last = request.chunk_tokens, request.last_tokens
+        lo, hi = min(self.load), max(self.load)
+        if hi - lo > self.BALANCE_ABS and hi > self.BALANCE_REL * lo:
+            chosen = self.load.index(lo)
+        else:
+            matched = [t.match(request.ids, full, last) for t in self.trees]
+            best = max(range(self.ctx.n), key=lambda r: matched[r])
+            if matched[best] / request.input_tokens > self.CACHE_THRESHOLD:
+                chosen = best
+            else:
+                chosen = min(range(self.ctx.n), key=lambda r: self.trees[r].used)
+        self.trees[chosen].touch(request.ids, full, last)
+        return self._sent(chosen)
+
+
+class DynamoPolicy:
+    """NVIDIA Dynamo KV router, approximate mode (no engine KV events):
+    cost = overlap_weight (1.0) × prompt blocks not cached + active blocks of in-flight
+    requests on that worker; temperature 0 → lowest cost (random ties). The index predicts
+    from the router's own decisions with a 120 s TTL. Blocks are KV blocks of 16 tokens.
+    """
+
+    OVERLAP_WEIGHT, TTL_S = 1.0, 120.0
+
+    def __init__(self, ctx: PolicyContext) -> None:
+        self.ctx = ctx
+        self.block = ctx.kv_block_tokens
+        self.seen: list[dict[int, tuple[int, float]]] = [{} for _ in range(ctx.n)]
+        self.active = [0] * ctx.n
+
+    def _cached(self, r: int, request: SimRequest, full: int, last: int, now: float) -> int:
+        seen, final, total = self.seen[r], len(request.ids) - 1, 0
+        for i, chunk in enumerate(request.ids):
+            entry = seen.get(chunk)
+            if entry is None or entry[1] < now:
+                break
+            need = last if i == final else full
+            if entry[0] < need:
+                return total + entry[0]
+            total += need
+        return total
+
+    def route(self, request: SimRequest, now: float) -> tuple[int, Any]:
+        full = request.chunk_tokens // self.block
+        last = request.last_tokens // self.block
+        blocks = -(-request.input_tokens // self.block)
+        costs = [
+            self.OVERLAP_WEIGHT * (blocks - self._cached(r, request, full, last, now))
+            + self.active[r]
+            for r in range(self.ctx.n)
+        ]
+        chosen = _argbest(costs, self.ctx.rng, highest=False)
+        seen, expiry, final = self.seen[chosen], now + self.TTL_S, len(request.ids) - 1
+        for i, chunk in enumerate(request.ids):
+            need = last if i == final else full
+            held = seen.get(chunk)
+            seen[chunk] = (max(need, held[0]) if held else need, expiry)
+        self.active[chosen] += blocks
+        return chosen, (chosen, blocks)
+
+    def finish(self, handle: Any) -> None:
+        chosen, blocks = handle
+        self.active[chosen] -= blocks
+
+
+class ProductionStackPolicy:
+    """vLLM production-stack ``prefixaware``: hash trie of 128-char chunks (xxhash64),
+    longest prefix match, random choice among the endpoints holding it (all endpoints when
+    nothing matches); no eviction, no load guard. Trie nodes are the workload's chunk ids.
+    """
+
+    def __init__(self, ctx: PolicyContext) -> None:
+        self.ctx = ctx
+        self.trie: dict[int, set[int]] = {}
+        self.everyone = frozenset(range(ctx.n))
+
+    def route(self, request: SimRequest, now: float) -> tuple[int, Any]:
+        holders: frozenset[int] | set[int] = self.everyone
+        for chunk in request.ids:
+            node = self.trie.get(chunk)
+            if not node:
+                break
+            holders = node
+        chosen = self.ctx.rng.choice(sorted(holders))
+        for chunk in request.ids:
+            self.trie.setdefault(chunk, set()).add(chosen)
+        return chosen, None
+
+    def finish(self, handle: Any) -> None:
+        pass
+
+
+class OraclePolicy:
+    """Upper bound: knows every replica's true cache; most cached tokens, then least loaded
+    (waiting + running), then random."""
+
+    def __init__(self, ctx: PolicyContext) -> None:
+        self.ctx = ctx
+
+    def route(self, request: SimRequest, now: float) -> tuple[int, Any]:
+        scores = [
+            (r.cached_tokens(request), -r.in_flight) for r in self.ctx.replicas
+        ]
+        return _argbest(scores, self.ctx.rng), None  # type: ignore[arg-type]
+
+    def finish(self, handle: Any) -> None:
+        pass
+
+
+class PromptBytes:
+    """Deterministic prompt bytes for chunk ids: each id → bytes_per_token × chunk tokens
+    bytes (its 8-byte id repeated), the last chunk truncated. Cached per id."""
+
+    def __init__(self) -> None:
+        self._chunks: dict[tuple[int, int], bytes] = {}
+
+    def chunk(self, chunk: int, size: int) -> bytes:
+        key = (chunk, size)
+        data = self._chunks.get(key)
+        if data is None:
+            pattern = chunk.to_bytes(8, "little")
+            data = (pattern * (size // 8 + 1))[:size]
+            self._chunks[key] = data
+        return data
+
+    def request(self, request: SimRequest) -> LLMRequest:
+        size = request.chunk_tokens * BYTES_PER_TOKEN
+        parts = [self.chunk(c, size) for c in request.ids[:-1]]
+        parts.append(self.chunk(request.ids[-1], size)[: request.last_tokens * BYTES_PER_TOKEN])
+        return LLMRequest(
+            api="chat" if request.first_turn_tokens else "completions",
+            model="sim-model",
+            cache_salt="",
+            prompt=b"".join(parts),
+            first_turn_end=request.first_turn_tokens * BYTES_PER_TOKEN,
+            stream=True,
+        )
+
+
+def sim_routing_config(base: RoutingConfig, chunk_tokens: int) -> RoutingConfig:
+    """The router's config for a workload: blocks no smaller than one workload chunk.
+
+    Hashing a Mooncake prompt (15k tokens) in 64-byte blocks costs ~1k hashes and index
+    touches per request; one 2,048-byte block per 512-token id gives the same matches (ids
+    are the trace's own sharing granularity) ~30× faster. cold_start_blocks is scaled to
+    keep its span in bytes (at least one block).
+    """
+    chunk_bytes = chunk_tokens * BYTES_PER_TOKEN
+    if chunk_bytes <= base.block_size_bytes:
+        return base
+    span = base.block_size_bytes * base.cold_start_blocks
+    return base.model_copy(
+        update={
+            "block_size_bytes": chunk_bytes,
+            "cold_start_blocks": max(1, span // chunk_bytes),
+        }
+    )
+
+
+class OursPolicy:
+    """extproc.router.Router, unchanged: route() on an LLMRequest, finish() on completion."""
+
+    def __init__(self, ctx: PolicyContext, prompts: PromptBytes, chunk_tokens: int) -> None:
+        self.ctx = ctx
+        self.prompts = prompts
+        config = sim_routing_config(ctx.routing, chunk_tokens)
+        addresses = [f"10.0.{r // 250}.{r % 250 + 1}:8000" for r in range(ctx.n)]
+        self.replica_of = {a: r for r, a in enumerate(addresses)}
+        self.router = Router(
+            config,
+            [EndpointConfig(address=a, capacity_tokens=ctx.capacity_tokens) for a in addresses],
+        )
+        self.rules: dict[str, int] = {}
+
+    def route(self, request: SimRequest, now: float) -> tuple[int, Any]:
+        decision = self.router.route(self.prompts.request(request))
+        self.rules[decision.rule] = self.rules.get(decision.rule, 0) + 1
+        assert decision.endpoint is not None
+        return self.replica_of[decision.endpoint], decision
+
+    def finish(self, handle: Any) -> None:
+        self.router.finish(handle)
+
+
+class RouterGroup:
+    """K independent instances of one policy; each request goes to one at random."""
+
+    def __init__(self, instances: list[Any], rng: random.Random) -> None:
+        self.instances = instances
+        self.rng = rng
+
+    def route(self, request: SimRequest, now: float) -> tuple[int, Any]:
+        k = self.rng.randrange(len(self.instances)) if len(self.instances) > 1 else 0
+        replica, handle = self.instances[k].route(request, now)
+        return replica, (k, handle)
+
+    def finish(self, handle: Any) -> None:
+        k, inner = handle
+        self.instances[k].finish(inner)
+
+    def rules(self) -> dict[str, int]:
+        total: dict[str, int] = {}
+        for instance in self.instances:
+            for rule, count in getattr(instance, "rules", {}).items():
+                total[rule] = total.get(rule, 0) + count
+        return total
+
+
+PolicyFactory = Callable[[PolicyContext], Any]
+
+PEERS: dict[str, PolicyFactory] = {
+    "random": RandomPolicy,
+    "round-robin": RoundRobinPolicy,
+    "least-loaded": LeastLoadedPolicy,
+    "consistent-hash": ConsistentHashPolicy,
+    "gaie": GaiePolicy,
+    "sglang": SglangCacheAwarePolicy,
+    "dynamo": DynamoPolicy,
+    "production-stack": ProductionStackPolicy,
+}
+# Policies that know the truth: never replicated over K router instances.
+BOUNDS: dict[str, PolicyFactory] = {"oracle": OraclePolicy}
+ALL_POLICIES: list[str] = ["ours", *PEERS, *BOUNDS]
+
+
+def make_policy(
+    name: str, ctx: PolicyContext, router_replicas: int, chunk_tokens: int
+) -> RouterGroup:
+    prompts = PromptBytes()
+    if name == "ours":
+        def build() -> Any:
+            return OursPolicy(ctx, prompts, chunk_tokens)
+    elif name in PEERS:
+        def build() -> Any:
+            return PEERS[name](ctx)
+    elif name in BOUNDS:
+        return RouterGroup([BOUNDS[name](ctx)], ctx.rng)
+    else:
+        raise ValueError(f"unknown policy {name!r}; choose from {', '.join(ALL_POLICIES)}")
+    return RouterGroup([build() for _ in range(max(1, router_replicas))], ctx.rng)
+
+
+def ideal_hit_tokens(requests: Sequence[SimRequest], block_tokens: int) -> int:
+    """Bound: one infinite cache shared by everyone (hit ratio only, no time)."""
+    cache = ChunkLRU(math.inf)
+    hits = 0
+    for request in requests:
+        full, last = cache_units(request, block_tokens)
+        hits += cache.match(request.ids, full, last)
+        cache.touch(request.ids, full, last)
+    return hits

@@ -1,0 +1,135 @@
+"""One simulated model server: a block-level LRU prefix cache and a continuous-batching clock.
+
+Time model (deliberately small; every constant is in CostModel and printed with results):
+- Prefill is compute-bound, so a replica prefills one request at a time, FIFO; a request
+  starts when the prefill unit is free and the batch has room (``max_batch`` sequences and
+  ``capacity_tokens`` of KV for the running ones; an empty replica always admits). Its cached
+  prefix is looked up at that moment, as vLLM does when it schedules the request.
+- prefill_ms(n, u) = base + a·u + b·u·(n − u/2) for n prompt tokens of which u are not
+  cached: a linear term plus attention over the context. Fitted to an 8B model on one H200
+  (/work/shared/notes/prefill-cost.md): 16,384 tokens cold 592 ms / 90% cached 117 (meas.
+  121) / 97% cached 61 (55); 4,096 tokens cold 122 (123) / 90% cached 46 (48).
+- Decode runs beside prefill (no interference modelled): output_tokens steps of
+  base + per_seq·batch + per_ctx·(KV tokens in the batch) ms, with the batch frozen at the
+  request's first token. Decode constants are a memory-bandwidth estimate, not measured.
+The cache holds prompt KV only (not generated tokens), in whole ``kv_block_tokens`` blocks.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import asdict, dataclass
+
+from .cache import ChunkLRU
+from .workloads import SimRequest
+
+
+@dataclass(frozen=True, slots=True)
+class CostModel:
+    prefill_base_ms: float = 36.0
+    prefill_ms_per_token: float = 0.01672
+    prefill_ms_per_token_ctx: float = 2.105e-6
+    decode_base_ms: float = 8.0
+    decode_ms_per_seq: float = 0.05
+    decode_ms_per_ctx_token: float = 2.7e-5
+    kv_block_tokens: int = 16
+    max_batch: int = 128
+
+    def prefill_ms(self, tokens: int, cached: int) -> float:
+        new = max(1, tokens - cached)  # a fully cached prompt still computes its last token
+        return (
+            self.prefill_base_ms
+            + self.prefill_ms_per_token * new
+            + self.prefill_ms_per_token_ctx * new * (tokens - new / 2)
+        )
+
+    def decode_step_ms(self, batch: int, ctx_tokens: int) -> float:
+        return (
+            self.decode_base_ms
+            + self.decode_ms_per_seq * batch
+            + self.decode_ms_per_ctx_token * ctx_tokens
+        )
+
+    def as_dict(self) -> dict[str, float]:
+        return asdict(self)
+
+
+def cache_units(request: SimRequest, block_tokens: int) -> tuple[int, int]:
+    """Cacheable tokens of a full chunk and of the last chunk: whole KV blocks only."""
+    full = request.chunk_tokens // block_tokens * block_tokens
+    last = request.last_tokens // block_tokens * block_tokens
+    return full, last
+
+
+class Replica:
+    """KV cache + queues + counters of one model server."""
+
+    def __init__(self, index: int, capacity_tokens: int, cost: CostModel) -> None:
+        self.index = index
+        self.capacity_tokens = capacity_tokens
+        self.cost = cost
+        self.cache = ChunkLRU(capacity_tokens)
+        self.waiting: deque[SimRequest] = deque()
+        self.prefilling = False
+        self.running = 0  # prefilling + decoding sequences
+        self.running_tokens = 0  # their prompt + output tokens (KV in use)
+        # Counters the tests reconcile with the engine's per-request records.
+        self.requests = 0
+        self.prompt_tokens = 0
+        self.hit_tokens = 0
+        self.prefill_ms = 0.0
+        self.peak_in_flight = 0
+
+    @property
+    def in_flight(self) -> int:
+        return self.running + len(self.waiting)
+
+    def kv_usage(self) -> float:
+        """What vLLM exports as KV-cache usage: blocks held by running sequences."""
+        return min(1.0, self.running_tokens / self.capacity_tokens)
+
+    def cached_tokens(self, request: SimRequest) -> int:
+        full, last = cache_units(request, self.cost.kv_block_tokens)
+        return self.cache.match(request.ids, full, last)
+
+    def enqueue(self, request: SimRequest) -> None:
+        self.waiting.append(request)
+        self.peak_in_flight = max(self.peak_in_flight, self.in_flight)
+
+    def can_start(self) -> bool:
+        if self.prefilling or not self.waiting:
+            return False
+        if self.running == 0:
+            return True
+        head = self.waiting[0]
+        need = head.input_tokens + head.output_tokens
+        return (
+            self.running < self.cost.max_batch
+            and self.running_tokens + need <= self.capacity_tokens
+        )
+
+    def start_prefill(self) -> tuple[SimRequest, int, float]:
+        """Admit the head of the queue: look up and refresh its prefix; (request, hit, ms)."""
+        request = self.waiting.popleft()
+        full, last = cache_units(request, self.cost.kv_block_tokens)
+        hit = self.cache.match(request.ids, full, last)
+        self.cache.touch(request.ids, full, last)
+        duration = self.cost.prefill_ms(request.input_tokens, hit)
+        self.prefilling = True
+        self.running += 1
+        self.running_tokens += request.input_tokens + request.output_tokens
+        self.requests += 1
+        self.prompt_tokens += request.input_tokens
+        self.hit_tokens += hit
+        self.prefill_ms += duration
+        return request, hit, duration
+
+    def end_prefill(self, request: SimRequest) -> float:
+        """The request's first token is out; returns its decode duration in ms."""
+        self.prefilling = False
+        step = self.cost.decode_step_ms(self.running, self.running_tokens)
+        return step * max(0, request.output_tokens - 1)
+
+    def finish(self, request: SimRequest) -> None:
+        self.running -= 1
+        self.running_tokens -= request.input_tokens + request.output_tokens

@@ -1,0 +1,125 @@
+"""Per-policy metrics from a run, the stdout table, the JSON document and the PNG."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+from .engine import RunResult
+
+
+def percentile(sorted_values: Sequence[float], q: float) -> float:
+    """Nearest-rank percentile of already sorted values (0 for none)."""
+    if not sorted_values:
+        return 0.0
+    rank = max(1, math.ceil(q / 100.0 * len(sorted_values)))
+    return float(sorted_values[rank - 1])
+
+
+def summarize(result: RunResult, ideal_hit_ratio: float) -> dict[str, Any]:
+    records = result.records
+    prompt = sum(r.input_tokens for r in result.requests)
+    hits = sum(r.hit_tokens for r in records)
+    ttft = sorted(r.ttft_ms for r in records)
+    served = [r.requests for r in result.replicas]
+    mean_served = sum(served) / len(served) if served else 0.0
+    hit_ratio = hits / prompt if prompt else 0.0
+    summary: dict[str, Any] = {
+        "hit_ratio": round(hit_ratio, 4),
+        "fraction_of_ideal": round(hit_ratio / ideal_hit_ratio, 4) if ideal_hit_ratio else 0.0,
+        "ttft_p50_ms": round(percentile(ttft, 50), 1),
+        "ttft_p90_ms": round(percentile(ttft, 90), 1),
+        "ttft_p99_ms": round(percentile(ttft, 99), 1),
+        "queue_mean_ms": round(sum(r.queue_ms for r in records) / max(1, len(records)), 1),
+        "load_max_requests": max(served, default=0),
+        "load_mean_requests": round(mean_served, 1),
+        "load_max_over_mean": round(max(served) / mean_served, 3) if mean_served else 0.0,
+        "peak_in_flight": max((r.peak_in_flight for r in result.replicas), default=0),
+        "prefill_gpu_s": round(sum(r.prefill_ms for r in result.replicas) / 1000.0, 2),
+        "requests": len(records),
+        "simulated_s": round(result.sim_seconds, 1),
+    }
+    if result.rules:
+        summary["rules"] = dict(sorted(result.rules.items()))
+    return summary
+
+
+COLUMNS = [
+    ("policy", "{}", 18),
+    ("hit_ratio", "{:.3f}", 9),
+    ("fraction_of_ideal", "{:.3f}", 8),
+    ("ttft_p50_ms", "{:.0f}", 8),
+    ("ttft_p90_ms", "{:.0f}", 8),
+    ("ttft_p99_ms", "{:.0f}", 8),
+    ("queue_mean_ms", "{:.0f}", 8),
+    ("load_max_over_mean", "{:.2f}", 8),
+    ("prefill_gpu_s", "{:.1f}", 9),
+]
+HEADERS = ["policy", "hit", "of ideal", "p50 ms", "p90 ms", "p99 ms", "queue", "max/mean", "prefill s"]
+
+
+def table(policies: dict[str, dict[str, Any]], markdown: bool = False) -> str:
+    """Aligned text (or a markdown table) with one row per policy."""
+    rows = [
+        [fmt.format(name if key == "policy" else stats[key]) for key, fmt, _ in COLUMNS]
+        for name, stats in policies.items()
+    ]
+    if markdown:
+        lines = ["| " + " | ".join(HEADERS) + " |", "|---" + "|---:" * (len(HEADERS) - 1) + "|"]
+        lines += ["| " + " | ".join(row) + " |" for row in rows]
+        return "\n".join(lines)
+    widths = [w for _, _, w in COLUMNS]
+    def line(cells: list[str]) -> str:
+        return "  ".join(
+            c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths, strict=True))
+        )
+    return "\n".join([line(HEADERS), *(line(r) for r in rows)])
+
+
+def plot(
+    path: str,
+    title: str,
+    policies: dict[str, dict[str, Any]],
+    ideal_hit_ratio: float,
+    sweep: dict[str, dict[int, float]] | None = None,
+) -> None:
+    """Hit ratio and TTFT p99 per policy; hit ratio vs router replicas K when swept."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = 3 if sweep else 2
+    fig, axes = plt.subplots(1, panels, figsize=(5.2 * panels, 4.2))
+    names = list(policies)
+    colors = ["tab:red" if n == "ours" else "tab:gray" if n == "oracle" else "tab:blue" for n in names]
+    ax = axes[0]
+    ax.bar(names, [policies[n]["hit_ratio"] for n in names], color=colors)
+    ax.axhline(ideal_hit_ratio, color="black", linestyle="--", linewidth=1, label="ideal")
+    ax.set_ylabel("token cache-hit ratio")
+    ax.set_title("hit ratio")
+    ax.legend(loc="upper right")
+    ax = axes[1]
+    ax.bar(names, [max(1.0, policies[n]["ttft_p99_ms"]) for n in names], color=colors)
+    ax.set_yscale("log")
+    ax.set_ylabel("ms (log)")
+    ax.set_title("TTFT p99")
+    for ax in axes[:2]:
+        ax.tick_params(axis="x", rotation=60, labelsize=8)
+    if sweep:
+        ax = axes[2]
+        for name, by_k in sweep.items():
+            ks = sorted(by_k)
+            style = {"color": "tab:red", "linewidth": 2.5} if name == "ours" else {}
+            ax.plot(ks, [by_k[k] for k in ks], marker="o", label=name, **style)
+        ax.axhline(ideal_hit_ratio, color="black", linestyle="--", linewidth=1, label="ideal")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("router replicas K")
+        ax.set_ylabel("token cache-hit ratio")
+        ax.set_title("hit ratio vs router replicas")
+        ax.legend(fontsize=7, ncol=2)
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -1,0 +1,241 @@
+"""Workloads as lists of SimRequest: the Mooncake trace and the peers' shared-prefix shapes.
+
+A request's prompt is a chain of chunk ids, ``chunk_tokens`` tokens each except the last
+(``last_tokens``). Ids are chained: an id always follows the same predecessor, so equal ids
+mean equal prefixes. Generators use 16-token chunks (the model server's KV block) and round
+lengths up to whole chunks; the Mooncake trace brings its own 512-token ids.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import random
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+MOONCAKE_BLOCK_TOKENS = 512
+GEN_CHUNK_TOKENS = 16
+
+
+@dataclass(frozen=True, slots=True)
+class SimRequest:
+    rid: int
+    arrival_s: float
+    input_tokens: int
+    output_tokens: int
+    ids: tuple[int, ...]
+    chunk_tokens: int
+    last_tokens: int
+    # Tokens up to the end of the first user turn (0: not a chat request). Lets our router
+    # key cold-start placement per conversation, as it does for real chat bodies.
+    first_turn_tokens: int = 0
+    session: int = -1
+
+
+@dataclass(frozen=True, slots=True)
+class Workload:
+    name: str
+    requests: list[SimRequest]
+    params: dict[str, Any]
+
+
+def load_mooncake(path: str | Path, speedup: float = 1.0, limit: int | None = None) -> Workload:
+    """Mooncake JSONL: timestamp (ms), input_length, output_length, hash_ids (512 tokens)."""
+    requests = []
+    with open(path) as handle:
+        for line in itertools.islice(handle, limit):
+            if not line.strip():
+                continue
+            row = json.loads(line)
+            ids = tuple(int(i) for i in row["hash_ids"])
+            tokens = int(row["input_length"])
+            last = tokens - MOONCAKE_BLOCK_TOKENS * (len(ids) - 1)
+            if not ids or not 0 < last <= MOONCAKE_BLOCK_TOKENS:
+                raise ValueError(f"{path}: line {len(requests) + 1}: hash_ids/input_length")
+            requests.append(
+                SimRequest(
+                    rid=len(requests),
+                    arrival_s=float(row["timestamp"]) / 1000.0 / speedup,
+                    input_tokens=tokens,
+                    output_tokens=max(1, int(row["output_length"])),
+                    ids=ids,
+                    chunk_tokens=MOONCAKE_BLOCK_TOKENS,
+                    last_tokens=last,
+                )
+            )
+    requests.sort(key=lambda r: (r.arrival_s, r.rid))
+    return Workload(Path(path).name, requests, {"trace": str(path), "speedup": speedup})
+
+
+def _chunks(tokens: int) -> int:
+    return max(1, -(-tokens // GEN_CHUNK_TOKENS))
+
+
+def shared_prefix(
+    groups: int,
+    prompts: int,
+    system_tokens: int,
+    question_tokens: int,
+    output_tokens: int,
+    rate: float,
+    requests: int,
+    seed: int = 0,
+    name: str = "shared-prefix",
+) -> Workload:
+    """inference-perf ``shared_prefix`` shape: groups × prompts, each prompt = the group's
+    system prompt + its own question; requests pick a (group, prompt) uniformly at random,
+    Poisson arrivals at ``rate`` req/s (the GAIE benchmarks replay this for a duration)."""
+    rng = random.Random(seed)
+    counter = itertools.count()
+    sys_chunks, q_chunks = _chunks(system_tokens), _chunks(question_tokens)
+    systems = [tuple(next(counter) for _ in range(sys_chunks)) for _ in range(groups)]
+    questions = [
+        [tuple(next(counter) for _ in range(q_chunks)) for _ in range(prompts)]
+        for _ in range(groups)
+    ]
+    out, now = [], 0.0
+    for rid in range(requests):
+        now += rng.expovariate(rate)
+        g, p = rng.randrange(groups), rng.randrange(prompts)
+        ids = systems[g] + questions[g][p]
+        out.append(
+            SimRequest(
+                rid=rid,
+                arrival_s=now,
+                input_tokens=len(ids) * GEN_CHUNK_TOKENS,
+                output_tokens=output_tokens,
+                ids=ids,
+                chunk_tokens=GEN_CHUNK_TOKENS,
+                last_tokens=GEN_CHUNK_TOKENS,
+                session=g * prompts + p,
+            )
+        )
+    params = {
+        "kind": "shared_prefix",
+        "groups": groups,
+        "prompts": prompts,
+        "system_tokens": sys_chunks * GEN_CHUNK_TOKENS,
+        "question_tokens": q_chunks * GEN_CHUNK_TOKENS,
+        "output_tokens": output_tokens,
+        "rate": rate,
+        "requests": requests,
+    }
+    return Workload(name, out, params)
+
+
+def multi_turn(
+    sessions: int,
+    turns: int,
+    system_tokens: int,
+    question_tokens: int,
+    output_tokens: int,
+    think_s: float,
+    rate: float,
+    system_prompts: int = 1,
+    seed: int = 0,
+    name: str = "multi-turn",
+) -> Workload:
+    """Chat sessions sharing a system prompt; turn t's prompt = system + every earlier
+    (question, answer) + the new question. Sessions start as a Poisson process at ``rate``/s;
+    open loop: the next turn comes an exponential think time (mean ``think_s``) plus the
+    answer's nominal decode time (10 ms/token) after the previous one."""
+    rng = random.Random(seed)
+    counter = itertools.count()
+    sys_chunks = _chunks(system_tokens)
+    q_chunks, a_chunks = _chunks(question_tokens), _chunks(output_tokens)
+    systems = [tuple(next(counter) for _ in range(sys_chunks)) for _ in range(system_prompts)]
+    pending: list[tuple[float, int, int, tuple[int, ...], int]] = []
+    start = 0.0
+    for s in range(sessions):
+        start += rng.expovariate(rate)
+        history = systems[rng.randrange(system_prompts)]
+        first_turn = 0
+        at = start
+        for t in range(turns):
+            ids = history + tuple(next(counter) for _ in range(q_chunks))
+            if t == 0:
+                first_turn = len(ids) * GEN_CHUNK_TOKENS
+            pending.append((at, s, t, ids, first_turn))
+            history = ids + tuple(next(counter) for _ in range(a_chunks))
+            at += rng.expovariate(1.0 / think_s) + output_tokens * 0.010
+    pending.sort()
+    out = [
+        SimRequest(
+            rid=rid,
+            arrival_s=at,
+            input_tokens=len(ids) * GEN_CHUNK_TOKENS,
+            output_tokens=output_tokens,
+            ids=ids,
+            chunk_tokens=GEN_CHUNK_TOKENS,
+            last_tokens=GEN_CHUNK_TOKENS,
+            first_turn_tokens=first_turn,
+            session=s,
+        )
+        for rid, (at, s, _t, ids, first_turn) in enumerate(pending)
+    ]
+    params = {
+        "kind": "multi_turn",
+        "sessions": sessions,
+        "turns": turns,
+        "system_prompts": system_prompts,
+        "system_tokens": sys_chunks * GEN_CHUNK_TOKENS,
+        "question_tokens": q_chunks * GEN_CHUNK_TOKENS,
+        "output_tokens": a_chunks * GEN_CHUNK_TOKENS,
+        "think_s": think_s,
+        "rate": rate,
+    }
+    return Workload(name, out, params)
+
+
+def _preset_shared(**fixed: Any) -> Callable[..., Workload]:
+    def build(**overrides: Any) -> Workload:
+        kwargs = {**fixed, **{k: v for k, v in overrides.items() if v is not None}}
+        return shared_prefix(**kwargs)
+
+    return build
+
+
+def _preset_chat(**fixed: Any) -> Callable[..., Workload]:
+    def build(**overrides: Any) -> Workload:
+        kwargs = {**fixed, **{k: v for k, v in overrides.items() if v is not None}}
+        return multi_turn(**kwargs)
+
+    return build
+
+
+# Shapes from /work/shared/workloads/README.md (the peers' published benchmark configs);
+# rates are ours, chosen to load 8 simulated H200 replicas without saturating them.
+PRESETS: dict[str, Callable[..., Workload]] = {
+    # GAIE high-cache (2025-11): 256 groups x 16 prompts, system 2,048, question 256, out 256.
+    "gaie-high-cache": _preset_shared(
+        name="gaie-high-cache", groups=256, prompts=16, system_tokens=2048,
+        question_tokens=256, output_tokens=256, rate=60.0, requests=8192,
+    ),
+    # GAIE low-cache (2025-11): system 256, question 2,048.
+    "gaie-low-cache": _preset_shared(
+        name="gaie-low-cache", groups=256, prompts=16, system_tokens=256,
+        question_tokens=2048, output_tokens=256, rate=30.0, requests=8192,
+    ),
+    # SGLang generated-shared-prefix default: 64 x 16, system 2,048, question 128, out 256.
+    "sglang-shared-prefix": _preset_shared(
+        name="sglang-shared-prefix", groups=64, prompts=16, system_tokens=2048,
+        question_tokens=128, output_tokens=256, rate=40.0, requests=4096,
+    ),
+    # A small shared-prefix shape for tests and quick looks.
+    "small-shared-prefix": _preset_shared(
+        name="small-shared-prefix", groups=16, prompts=8, system_tokens=512,
+        question_tokens=64, output_tokens=32, rate=20.0, requests=400,
+    ),
+    # Multi-turn chat (GAIE multi-chat / vLLM multi-turn shape): one shared system prompt.
+    "multi-turn-chat": _preset_chat(
+        name="multi-turn-chat", sessions=600, turns=6, system_tokens=1000,
+        question_tokens=256, output_tokens=256, think_s=5.0, rate=4.0,
+    ),
+    "small-multi-turn": _preset_chat(
+        name="small-multi-turn", sessions=40, turns=4, system_tokens=256,
+        question_tokens=64, output_tokens=32, think_s=2.0, rate=4.0,
+    ),
+}

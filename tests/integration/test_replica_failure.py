@@ -1,0 +1,59 @@
+"""A replica that is down when the router picks it: the request still succeeds."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from extproc.stack import Stack
+
+from .conftest import chat_body, start_routed_stack
+
+pytestmark = [pytest.mark.envoy]
+FAST = ["--prefill-ms-per-token", "0.0001", "--decode-ms-per-token", "0.1"]
+
+
+@pytest.mark.parametrize("body_mode", ["buffered", "full_duplex_streamed"])
+def test_override_host_falls_back_when_the_picked_replica_is_dead(body_mode):
+    """Router health checks off: the router still picks the dead home; Envoy must recover."""
+    with Stack() as stack:
+        members = stack.start_replicas(3, FAST)
+        routed = start_routed_stack(
+            stack, "override-host", body_mode, members, ["--set", "health.enabled=false"]
+        )
+        history = ["Tell me about the dead replica. " * 30]
+        home = routed.send(chat_body(*history))
+        assert home.status == 200
+        dead = next(p for p in stack.processes if p.name == home.replica)
+        stack.stop(dead)
+        for turn in range(5):
+            history += ["An answer.", f"next question {turn}"]
+            response = routed.send(chat_body(*history))
+            assert response.status == 200, response.body[:300]
+            assert response.replica != home.replica
+
+
+@pytest.mark.parametrize("body_mode", ["buffered", "full_duplex_streamed"])
+def test_original_dst_router_stops_picking_a_dead_replica(body_mode):
+    """original_dst retries re-read the same header, so the router's probes must move it."""
+    with Stack() as stack:
+        members = stack.start_replicas(3, FAST)
+        routed = start_routed_stack(
+            stack,
+            "original-dst",
+            body_mode,
+            members,
+            ["--set", "health.interval_seconds=0.2", "--set", "health.unhealthy_threshold=1"],
+        )
+        history = ["Tell me about the dead replica. " * 30]
+        home = routed.send(chat_body(*history))
+        assert home.status == 200
+        dead = next(p for p in stack.processes if p.name == home.replica)
+        stack.stop(dead)
+        time.sleep(1.0)  # > interval x threshold: the router has seen the failure
+        for turn in range(5):
+            history += ["An answer.", f"next question {turn}"]
+            response = routed.send(chat_body(*history))
+            assert response.status == 200, response.body[:300]
+            assert response.replica != home.replica

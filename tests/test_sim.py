@@ -1,0 +1,151 @@
+"""The simulator: cache model, accounting, bounds, determinism and the CLI end to end."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from extproc.cli import main
+from extproc.sim.cache import ChunkLRU
+from extproc.sim.engine import SimParams, simulate
+from extproc.sim.policies import ALL_POLICIES, PromptBytes, ideal_hit_tokens
+from extproc.sim.replica import CostModel, Replica
+from extproc.sim.report import summarize
+from extproc.sim.workloads import PRESETS, SimRequest, Workload, load_mooncake
+
+
+def _request(rid: int, ids: tuple[int, ...], last: int = 16, arrival: float = 0.0) -> SimRequest:
+    return SimRequest(rid, arrival, 16 * (len(ids) - 1) + last, 4, ids, 16, last)
+
+
+def test_lru_respects_capacity_and_evicts_tails_first() -> None:
+    cache = ChunkLRU(capacity=64)
+    cache.touch([1, 2, 3], 16, 16)
+    cache.touch([10, 11, 12], 16, 16)
+    assert cache.used <= 64
+    # The older chain loses its tail first and stays prefix-closed.
+    assert 1 in cache and 3 not in cache
+    assert cache.match([1, 2, 3], 16, 16) == 16 * sum(c in cache for c in (1, 2, 3))
+    assert cache.match([10, 11, 12], 16, 16) == 48
+
+
+def test_partial_last_chunk_counts_held_units_only() -> None:
+    cache = ChunkLRU()
+    cache.touch([1, 2], 16, 5)
+    assert cache.match([1, 2], 16, 16) == 21  # chunk 2 only partly held
+    cache.touch([1, 2], 16, 16)
+    assert cache.match([1, 2, 3], 16, 16) == 32
+
+
+def test_replica_cache_never_exceeds_capacity() -> None:
+    replica = Replica(0, capacity_tokens=160, cost=CostModel())
+    for rid in range(50):
+        replica.enqueue(_request(rid, tuple(range(rid * 3, rid * 3 + 4))))
+        request, _, _ = replica.start_prefill()
+        replica.end_prefill(request)
+        replica.finish(request)
+        assert replica.cache.used <= 160
+
+
+def test_prefill_cost_matches_the_h200_calibration() -> None:
+    cost = CostModel()
+    assert cost.prefill_ms(16_384, 0) == pytest.approx(592, rel=0.05)
+    assert cost.prefill_ms(16_384, int(16_384 * 0.9)) == pytest.approx(121, rel=0.1)
+    assert cost.prefill_ms(4_096, 0) == pytest.approx(123, rel=0.05)
+    assert cost.prefill_ms(4_096, int(4_096 * 0.9)) == pytest.approx(48, rel=0.1)
+
+
+def test_prompt_bytes_share_prefixes_exactly_when_ids_do() -> None:
+    prompts = PromptBytes()
+    a = prompts.request(_request(0, (1, 2, 3)))
+    b = prompts.request(_request(1, (1, 2, 4)))
+    assert len(a.prompt) == 3 * 64
+    assert a.prompt[:128] == b.prompt[:128] and a.prompt[128:] != b.prompt[128:]
+
+
+@pytest.fixture(scope="module")
+def small_chat() -> Workload:
+    return PRESETS["small-multi-turn"](seed=3)
+
+
+@pytest.mark.parametrize("policy", ALL_POLICIES)
+def test_hit_accounting_matches_replica_counters_and_ideal_bounds_it(
+    small_chat: Workload, policy: str
+) -> None:
+    params = SimParams(replicas=4, capacity_tokens=20_000, router_replicas=2, seed=1)
+    result = simulate(small_chat, policy, params)
+    assert all(r.replica >= 0 and r.ttft_ms > 0 for r in result.records)
+    assert sum(r.hit_tokens for r in result.records) == sum(x.hit_tokens for x in result.replicas)
+    assert sum(x.requests for x in result.replicas) == len(small_chat.requests)
+    assert all(x.running == 0 and not x.waiting for x in result.replicas)
+    ideal = ideal_hit_tokens(small_chat.requests, 16)
+    assert sum(r.hit_tokens for r in result.records) <= ideal
+
+
+def test_runs_are_deterministic_for_a_seed(small_chat: Workload) -> None:
+    params = SimParams(replicas=4, capacity_tokens=20_000, router_replicas=2, seed=7)
+    for policy in ("ours", "random", "gaie", "dynamo"):
+        first = summarize(simulate(small_chat, policy, params), 0.5)
+        again = summarize(simulate(small_chat, policy, params), 0.5)
+        assert first == again
+
+
+def test_prefix_aware_policies_beat_random(small_chat: Workload) -> None:
+    params = SimParams(replicas=4, capacity_tokens=20_000, seed=0)
+    hit = {
+        p: summarize(simulate(small_chat, p, params), 1.0)["hit_ratio"] for p in ("ours", "random")
+    }
+    assert hit["ours"] > hit["random"]
+
+
+def test_mooncake_loader_reads_partial_last_block(tmp_path) -> None:
+    trace = tmp_path / "trace.jsonl"
+    rows = [
+        {"timestamp": 0, "input_length": 700, "output_length": 5, "hash_ids": [0, 1]},
+        {"timestamp": 2000, "input_length": 1100, "output_length": 7, "hash_ids": [0, 1, 2]},
+    ]
+    trace.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    workload = load_mooncake(trace, speedup=2.0)
+    first, second = workload.requests
+    assert first.last_tokens == 188 and second.last_tokens == 76
+    assert second.arrival_s == pytest.approx(1.0)
+    # 188 tokens of block 1 are cacheable as 11 whole 16-token blocks.
+    assert ideal_hit_tokens(workload.requests, 16) == 512 + 176
+
+
+def test_cli_simulate_end_to_end(tmp_path, capsys) -> None:
+    out, png = tmp_path / "out.json", tmp_path / "out.png"
+    code = main(
+        [
+            "bench",
+            "simulate",
+            "--workload",
+            "small-shared-prefix",
+            "--requests",
+            "200",
+            "--replicas",
+            "4",
+            "--capacity-tokens",
+            "20000",
+            "--policies",
+            "ours,random,oracle",
+            "--json",
+            str(out),
+            "--plot",
+            str(png),
+            "--sweep-k",
+            "1,2",
+            "--no-progress",
+        ]
+    )
+    assert code == 0
+    doc = json.loads(out.read_text())
+    assert set(doc["policies"]) == {"ours", "random", "oracle"}
+    for stats in doc["policies"].values():
+        assert {"hit_ratio", "ttft_p50_ms", "ttft_p90_ms", "ttft_p99_ms"} <= set(stats)
+        assert stats["hit_ratio"] <= doc["ideal_hit_ratio"]
+    assert doc["params"]["replicas"] == 4 and "cost_model" in doc["params"]
+    assert set(doc["sweep_k"]["ours"]) == {"1", "2"}
+    assert png.stat().st_size > 10_000
+    assert "ideal hit ratio" in capsys.readouterr().out
