@@ -1,0 +1,267 @@
+"""The ext_proc state machine over real gRPC (in-process server, no Envoy)."""
+
+from __future__ import annotations
+
+import grpc
+import orjson
+import pytest
+from envoy.config.core.v3 import base_pb2
+from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
+from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
+from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as epg
+from google.protobuf import struct_pb2
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from extproc.config import load_config
+from extproc.hashing import block_hashes, root_hash
+from extproc.prompt import parse_request
+from extproc.serve import EXT_PROC_SERVICE, RouterService
+
+ENDPOINTS = "127.0.0.1:8001,127.0.0.1:8002,127.0.0.1:8003"
+HEADER = "x-gateway-destination-endpoint"
+
+
+def headers_msg(path="/v1/chat/completions", method="POST", eos=False, extra=(), full_duplex=False):
+    pairs = [(":path", path), (":method", method), *extra]
+    msg = ep.ProcessingRequest(
+        request_headers=ep.HttpHeaders(
+            headers=base_pb2.HeaderMap(
+                headers=[base_pb2.HeaderValue(key=k, raw_value=v.encode()) for k, v in pairs]
+            ),
+            end_of_stream=eos,
+        )
+    )
+    if full_duplex:
+        msg.protocol_config.request_body_mode = (
+            processing_mode_pb2.ProcessingMode.FULL_DUPLEX_STREAMED
+        )
+    return msg
+
+
+def body_msg(data: bytes, eos=True):
+    return ep.ProcessingRequest(request_body=ep.HttpBody(body=data, end_of_stream=eos))
+
+
+def response_headers_msg(served: str):
+    return ep.ProcessingRequest(
+        response_headers=ep.HttpHeaders(
+            headers=base_pb2.HeaderMap(
+                headers=[
+                    base_pb2.HeaderValue(key=":status", raw_value=b"200"),
+                    base_pb2.HeaderValue(key=HEADER + "-served", raw_value=served.encode()),
+                ]
+            )
+        )
+    )
+
+
+CHAT = orjson.dumps({"model": "m", "messages": [{"role": "user", "content": "hello " * 40}]})
+
+
+@pytest.fixture
+async def service():
+    cfg = load_config(
+        overrides={"server.listen": "127.0.0.1:0", "endpoints": ENDPOINTS, "health.enabled": False},
+        environ={},
+    )
+    svc = RouterService(cfg)
+    port = await svc.start()
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
+    svc.stub = epg.ExternalProcessorStub(channel)
+    svc.channel = channel
+    yield svc
+    await channel.close()
+    await svc.stop(0)
+
+
+async def exchange(stub, messages):
+    async def gen():
+        for m in messages:
+            yield m
+
+    return [r async for r in stub.Process(gen())]
+
+
+def destination(response) -> tuple[str, str]:
+    common = (
+        response.request_body.response
+        if response.HasField("request_body")
+        else response.request_headers.response
+    )
+    header = common.header_mutation.set_headers[0].header
+    metadata = response.dynamic_metadata.fields["envoy.lb"].struct_value.fields[HEADER].string_value
+    assert common.clear_route_cache
+    return header.raw_value.decode(), metadata
+
+
+async def test_buffered_decision_sets_header_and_metadata_alike(service):
+    responses = await exchange(service.stub, [headers_msg(), body_msg(CHAT)])
+    assert [r.WhichOneof("response") for r in responses] == ["request_headers", "request_body"]
+    header, metadata = destination(responses[1])
+    assert header == metadata
+    primary, *fallbacks = header.split(",")
+    assert primary in ENDPOINTS.split(",") and len(fallbacks) == 2
+    assert service.outcomes.counts[("routed", "cold_start_hash")] == 1
+    assert sum(service.router.in_flight().values()) == 0  # finished with the stream
+
+
+async def test_in_flight_lasts_while_the_stream_is_open(service):
+    import asyncio
+
+    call = service.stub.Process()
+    await call.write(headers_msg())
+    await call.read()
+    await call.write(body_msg(CHAT))
+    primary = destination(await call.read())[0].split(",")[0]
+    assert service.router.in_flight()[primary] == 1
+    await call.write(response_headers_msg(primary))
+    await call.read()
+    assert service.router.in_flight()[primary] == 1  # still open: still in flight
+    await call.done_writing()
+    assert await call.read() == grpc.aio.EOF
+    await asyncio.sleep(0.05)
+    assert service.router.in_flight()[primary] == 0
+
+
+async def test_full_duplex_holds_headers_then_echoes_the_body(service):
+    chunks = [CHAT[:100], CHAT[100:]]
+    responses = await exchange(
+        service.stub,
+        [
+            headers_msg(full_duplex=True),
+            body_msg(chunks[0], eos=False),
+            body_msg(chunks[1], eos=True),
+        ],
+    )
+    kinds = [r.WhichOneof("response") for r in responses]
+    assert kinds == ["request_headers", "request_body"]
+    header, metadata = destination(responses[0])
+    assert header == metadata
+    echoed = responses[1].request_body.response.body_mutation.streamed_response
+    assert echoed.body == CHAT and echoed.end_of_stream
+
+
+async def test_full_duplex_with_trailers_decides_at_the_trailers(service):
+    responses = await exchange(
+        service.stub,
+        [
+            headers_msg(full_duplex=True),
+            body_msg(CHAT, eos=False),
+            ep.ProcessingRequest(request_trailers=ep.HttpTrailers()),
+        ],
+    )
+    kinds = [r.WhichOneof("response") for r in responses]
+    assert kinds == ["request_headers", "request_body", "request_trailers"]
+    assert not responses[1].request_body.response.body_mutation.streamed_response.end_of_stream
+
+
+async def test_full_duplex_pass_through_echoes_chunks(service):
+    responses = await exchange(
+        service.stub,
+        [headers_msg(full_duplex=True), body_msg(b"not json", eos=True)],
+    )
+    assert [r.WhichOneof("response") for r in responses] == ["request_headers", "request_body"]
+    assert not responses[0].request_headers.response.HasField("header_mutation")
+    assert responses[1].request_body.response.body_mutation.streamed_response.body == b"not json"
+    assert service.outcomes.counts[("pass_through", "invalid_json")] == 1
+
+
+@pytest.mark.parametrize(
+    ("msg", "reason"),
+    [
+        (headers_msg(method="GET", eos=True), "method"),
+        (headers_msg(path="/v1/embeddings"), "path"),
+        (headers_msg(eos=True), "empty_body"),
+        (headers_msg(extra=[("content-encoding", "gzip")]), "content_encoding"),
+        (headers_msg(extra=[("content-length", str(10**9))]), "body_too_large"),
+    ],
+)
+async def test_not_routable_headers_skip_the_body(service, msg, reason):
+    responses = await exchange(service.stub, [msg])
+    assert len(responses) == 1
+    override = responses[0].mode_override
+    assert override.request_body_mode == processing_mode_pb2.ProcessingMode.NONE
+    assert override.response_header_mode == processing_mode_pb2.ProcessingMode.SKIP
+    assert service.outcomes.counts[("pass_through", reason)] == 1
+
+
+async def test_bad_body_passes_through_without_a_decision(service):
+    responses = await exchange(service.stub, [headers_msg(), body_msg(b'{"model": "m"}')])
+    assert not responses[1].request_body.response.HasField("header_mutation")
+    assert not responses[1].HasField("dynamic_metadata")
+    assert service.outcomes.counts[("pass_through", "no_prompt")] == 1
+
+
+async def test_subset_hint_limits_the_choice_and_empty_subset_is_503(service):
+    hint = ep.ProcessingRequest()
+    hint.CopyFrom(headers_msg())
+    subset = struct_pb2.Struct()
+    subset.update({"x-gateway-destination-endpoint-subset": ["127.0.0.1:8003"]})
+    hint.metadata_context.filter_metadata["envoy.lb.subset_hint"].CopyFrom(subset)
+    responses = await exchange(service.stub, [hint, body_msg(CHAT)])
+    assert destination(responses[1])[0].startswith("127.0.0.1:8003")
+
+    outside = ep.ProcessingRequest()
+    outside.CopyFrom(headers_msg())
+    subset.update({"x-gateway-destination-endpoint-subset": ["10.9.9.9:1"]})
+    outside.metadata_context.filter_metadata["envoy.lb.subset_hint"].CopyFrom(subset)
+    responses = await exchange(service.stub, [outside, body_msg(CHAT)])
+    immediate = responses[1].immediate_response
+    assert immediate.status.code == 503
+    assert orjson.loads(immediate.body)["error"]["code"] == 503
+
+
+async def test_served_report_corrects_the_index(service):
+    responses = await exchange(
+        service.stub, [headers_msg(), body_msg(CHAT), response_headers_msg("127.0.0.1:8002")]
+    )
+    assert responses[-1].WhichOneof("response") == "response_headers"
+    again = await exchange(service.stub, [headers_msg(), body_msg(CHAT)])
+    primary = destination(again[1])[0].split(",")[0]
+    chosen_first = destination(responses[1])[0].split(",")[0]
+    assert primary in {chosen_first, "127.0.0.1:8002"}
+    hashes = block_hashes(parse_request("chat", CHAT).prompt, root_hash("m"), 64, 1024)
+    assert service.router.index.match(hashes, ["127.0.0.1:8002"]) == {"127.0.0.1:8002": len(hashes)}
+
+
+async def test_health_service_reports_serving(service):
+    stub = health_pb2_grpc.HealthStub(service.channel)
+    for name in ("", "liveness", "readiness", EXT_PROC_SERVICE):
+        reply = await stub.Check(health_pb2.HealthCheckRequest(service=name))
+        assert reply.status == health_pb2.HealthCheckResponse.SERVING
+
+
+async def test_not_ready_without_endpoints():
+    cfg = load_config(
+        overrides={"server.listen": "127.0.0.1:0", "health.enabled": False}, environ={}
+    )
+    svc = RouterService(cfg)
+    port = await svc.start()
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        ready = await stub.Check(health_pb2.HealthCheckRequest(service="readiness"))
+        live = await stub.Check(health_pb2.HealthCheckRequest(service="liveness"))
+    await svc.stop(0)
+    assert ready.status == health_pb2.HealthCheckResponse.NOT_SERVING
+    assert live.status == health_pb2.HealthCheckResponse.SERVING
+
+
+async def test_single_destination_emits_only_the_primary():
+    cfg = load_config(
+        overrides={
+            "server.listen": "127.0.0.1:0",
+            "endpoints": ENDPOINTS,
+            "health.enabled": False,
+            "server.single_destination": True,
+        },
+        environ={},
+    )
+    svc = RouterService(cfg)
+    port = await svc.start()
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+        responses = await exchange(
+            epg.ExternalProcessorStub(channel), [headers_msg(), body_msg(CHAT)]
+        )
+    await svc.stop(0)
+    header, metadata = destination(responses[1])
+    assert header == metadata and "," not in header
