@@ -69,10 +69,21 @@ class EndpointConfig(_Strict):
 class ServerConfig(_Strict):
     listen: str = Field(default="127.0.0.1:9002", description="gRPC listen address ip:port")
     workers: int = Field(default=1, ge=1, le=64, description="processes sharing the port")
-    body_mode: Literal["buffered", "full_duplex_streamed"] = "buffered"
-    header_name: str = DEFAULT_HEADER
-    served_header_name: str = DEFAULT_HEADER + "-served"
-    metadata_namespace: str = "envoy.lb"
+    admin_listen: str = Field(
+        default="127.0.0.1:9003",
+        description="HTTP admin address: /metrics, /healthz, /readyz, /debug/decisions",
+    )
+    body_mode: Literal["buffered", "full_duplex_streamed"] = Field(
+        default="buffered", description="must match the Envoy filter's request_body_mode"
+    )
+    header_name: str = Field(default=DEFAULT_HEADER, description="decision header (and key)")
+    served_header_name: str = Field(
+        default=DEFAULT_HEADER + "-served",
+        description="response header naming the endpoint that actually served",
+    )
+    metadata_namespace: str = Field(
+        default="envoy.lb", description="dynamic-metadata namespace of the decision"
+    )
     single_destination: bool = Field(
         default=False,
         description="emit only the primary endpoint, no fallback list (for original_dst)",
@@ -80,14 +91,16 @@ class ServerConfig(_Strict):
     max_body_bytes: int = Field(
         default=64 * 1024 * 1024, gt=0, description="bodies above this pass through unrouted"
     )
-    routable_paths: tuple[str, ...] = (
-        "/v1/chat/completions",
-        "/v1/completions",
-        "/v1/responses",
+    routable_paths: tuple[str, ...] = Field(
+        default=("/v1/chat/completions", "/v1/completions", "/v1/responses"),
+        description="POST paths that are routed; anything else passes through",
+    )
+    decisions_kept: int = Field(
+        default=256, ge=0, le=100_000, description="recent decisions kept for /debug/decisions"
     )
     grace_seconds: float = Field(default=10.0, ge=0, description="drain time on SIGTERM")
 
-    @field_validator("listen")
+    @field_validator("listen", "admin_listen")
     @classmethod
     def _listen_is_ip_port(cls, value: str) -> str:
         parse_host_port(value, allow_port_zero=True)
@@ -128,12 +141,16 @@ class RoutingConfig(_Strict):
 class HealthCheckConfig(_Strict):
     """Active HTTP probes of the endpoints (the router stops picking a failing one)."""
 
-    enabled: bool = True
-    path: str = "/health"
-    interval_seconds: float = Field(default=1.0, gt=0)
-    timeout_seconds: float = Field(default=1.0, gt=0)
-    unhealthy_threshold: int = Field(default=2, ge=1)
-    healthy_threshold: int = Field(default=1, ge=1)
+    enabled: bool = Field(default=True, description="probe endpoints over HTTP")
+    path: str = Field(default="/health", description="probe path (vLLM, SGLang, TGI serve it)")
+    interval_seconds: float = Field(default=1.0, gt=0, description="time between probes")
+    timeout_seconds: float = Field(default=1.0, gt=0, description="probe timeout")
+    unhealthy_threshold: int = Field(
+        default=2, ge=1, description="consecutive failures before an endpoint is skipped"
+    )
+    healthy_threshold: int = Field(
+        default=1, ge=1, description="consecutive successes before it is used again"
+    )
 
 
 class Config(_Strict):

@@ -1,0 +1,30 @@
+"""Docs that must not drift from the code."""
+
+import os
+import re
+from pathlib import Path
+
+from extproc.configcmd import reference_markdown
+
+ROOT = Path(__file__).resolve().parents[1]
+README = (ROOT / "README.md").read_text()
+
+
+def test_config_reference_in_readme_matches_the_code():
+    match = re.search(
+        r"<!-- config-reference:start[^>]*-->\n(.*?)<!-- config-reference:end -->", README, re.S
+    )
+    assert match, "README lost its config-reference markers"
+    assert match.group(1) == reference_markdown(), (
+        "regenerate: prefix-router config --reference, paste between the markers"
+    )
+
+
+def test_quick_start_is_two_commands_that_exist():
+    block = README.split("## Quick start", 1)[1].split("```sh", 1)[1].split("```", 1)[0]
+    commands = [line.split("#")[0].strip() for line in block.strip().splitlines()]
+    assert commands == ["./scripts/demo", "./scripts/test"]
+    for command in commands:
+        assert os.access(ROOT / command, os.X_OK)
+    ci = (ROOT / ".ci" / "run").read_text()
+    assert "./scripts/test" in ci
