@@ -24,9 +24,17 @@ from .sim.workloads import PRESETS, Workload, load_mooncake
 
 # Workload overrides: CLI flag → generator keyword (None = keep the preset's value).
 _WORKLOAD_FLAGS = {
-    "groups": int, "prompts": int, "system_tokens": int, "question_tokens": int,
-    "output_tokens": int, "rate": float, "requests": int, "sessions": int, "turns": int,
-    "think_s": float, "system_prompts": int,
+    "groups": int,
+    "prompts": int,
+    "system_tokens": int,
+    "question_tokens": int,
+    "output_tokens": int,
+    "rate": float,
+    "requests": int,
+    "sessions": int,
+    "turns": int,
+    "think_s": float,
+    "system_prompts": int,
 }
 _SHARED_ONLY = {"groups", "prompts", "requests"}
 _CHAT_ONLY = {"sessions", "turns", "think_s", "system_prompts"}
@@ -54,7 +62,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--policies", default="all", help=f"comma list or 'all': {','.join(ALL_POLICIES)}"
     )
     sim.add_argument(
-        "--cost", action="append", default=[], metavar="KEY=VALUE",
+        "--cost",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
         help="override a cost-model constant (repeatable): "
         + ", ".join(f.name for f in dataclasses.fields(CostModel)),
     )
@@ -89,7 +100,9 @@ def _workload(args: argparse.Namespace) -> Workload:
     kwargs = {k: v for k, v in overrides.items() if k not in unused}
     workload = PRESETS[args.workload](seed=args.seed, **kwargs)
     if args.speedup != 1.0:
-        scaled = [dataclasses.replace(r, arrival_s=r.arrival_s / args.speedup) for r in workload.requests]
+        scaled = [
+            dataclasses.replace(r, arrival_s=r.arrival_s / args.speedup) for r in workload.requests
+        ]
         workload = Workload(workload.name, scaled, {**workload.params, "speedup": args.speedup})
     return workload
 
@@ -168,7 +181,9 @@ def simulate_command(args: argparse.Namespace) -> int:
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
     }
     if sweep:
-        doc["sweep_k"] = {n: {str(k): v for k, v in sorted(by_k.items())} for n, by_k in sweep.items()}
+        doc["sweep_k"] = {
+            n: {str(k): v for k, v in sorted(by_k.items())} for n, by_k in sweep.items()
+        }
 
     print(
         f"workload {workload.name}: {len(requests)} requests, {prompt_tokens:,} prompt tokens; "

@@ -112,6 +112,9 @@ class PrefixIndex:
         if blocks is not None and hashes:
             blocks.touch(hashes)
 
+    def entries_by_endpoint(self) -> dict[str, int]:
+        return {address: len(blocks) for address, blocks in self._endpoints.items()}
+
     def stats(self) -> IndexStats:
         entries = sum(len(b) for b in self._endpoints.values())
         return IndexStats(

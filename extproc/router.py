@@ -111,7 +111,7 @@ class Router:
     def finish(self, decision: Decision) -> None:
         if decision.rule == RULE_NO_ENDPOINT or decision.endpoint is None:
             return
-        state = self._endpoints.get(decision.endpoint)
+        state = self._endpoints.get(decision.served or decision.endpoint)
         if state is not None and state.in_flight > 0:
             state.in_flight -= 1
 
@@ -120,10 +120,11 @@ class Router:
 
         Returns True when the report differed from the decision and was applied.
         """
-        if served_address == decision.endpoint or served_address not in self._endpoints:
+        current = decision.served or decision.endpoint
+        if served_address == current or served_address not in self._endpoints:
             return False
         self.finish(decision)
-        decision.endpoint = served_address
+        decision.served = served_address
         self._endpoints[served_address].in_flight += 1
         self.index.record(served_address, decision.hashes)
         return True

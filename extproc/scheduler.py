@@ -86,6 +86,8 @@ class Decision:
     candidates: list[Candidate] = field(default_factory=list)
     # Kept for correcting the index if Envoy reports another served endpoint.
     hashes: Sequence[int] = ()
+    # Where Envoy says the request really went, when that differs from ``endpoint``.
+    served: str | None = None
 
     def explain(self, top_k: int | None = None) -> dict[str, Any]:
         ranked = sorted(self.candidates, key=_rank_key)
@@ -93,6 +95,7 @@ class Decision:
             ranked = ranked[:top_k]
         return {
             "endpoint": self.endpoint,
+            "served": self.served,
             "fallbacks": self.fallbacks,
             "rule": self.rule,
             "total_blocks": self.total_blocks,

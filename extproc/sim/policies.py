@@ -286,9 +286,7 @@ class OraclePolicy:
         self.ctx = ctx
 
     def route(self, request: SimRequest, now: float) -> tuple[int, Any]:
-        scores = [
-            (r.cached_tokens(request), -r.in_flight) for r in self.ctx.replicas
-        ]
+        scores = [(r.cached_tokens(request), -r.in_flight) for r in self.ctx.replicas]
         return _argbest(scores, self.ctx.rng), None  # type: ignore[arg-type]
 
     def finish(self, handle: Any) -> None:
@@ -416,9 +414,11 @@ def make_policy(
 ) -> RouterGroup:
     prompts = PromptBytes()
     if name == "ours":
+
         def build() -> Any:
             return OursPolicy(ctx, prompts, chunk_tokens)
     elif name in PEERS:
+
         def build() -> Any:
             return PEERS[name](ctx)
     elif name in BOUNDS:

@@ -56,7 +56,17 @@ COLUMNS = [
     ("load_max_over_mean", "{:.2f}", 8),
     ("prefill_gpu_s", "{:.1f}", 9),
 ]
-HEADERS = ["policy", "hit", "of ideal", "p50 ms", "p90 ms", "p99 ms", "queue", "max/mean", "prefill s"]
+HEADERS = [
+    "policy",
+    "hit",
+    "of ideal",
+    "p50 ms",
+    "p90 ms",
+    "p99 ms",
+    "queue",
+    "max/mean",
+    "prefill s",
+]
 
 
 def table(policies: dict[str, dict[str, Any]], markdown: bool = False) -> str:
@@ -70,10 +80,13 @@ def table(policies: dict[str, dict[str, Any]], markdown: bool = False) -> str:
         lines += ["| " + " | ".join(row) + " |" for row in rows]
         return "\n".join(lines)
     widths = [w for _, _, w in COLUMNS]
+
     def line(cells: list[str]) -> str:
         return "  ".join(
-            c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths, strict=True))
+            c.ljust(w) if i == 0 else c.rjust(w)
+            for i, (c, w) in enumerate(zip(cells, widths, strict=True))
         )
+
     return "\n".join([line(HEADERS), *(line(r) for r in rows)])
 
 
@@ -93,7 +106,9 @@ def plot(
     panels = 3 if sweep else 2
     fig, axes = plt.subplots(1, panels, figsize=(5.2 * panels, 4.2))
     names = list(policies)
-    colors = ["tab:red" if n == "ours" else "tab:gray" if n == "oracle" else "tab:blue" for n in names]
+    colors = [
+        "tab:red" if n == "ours" else "tab:gray" if n == "oracle" else "tab:blue" for n in names
+    ]
     ax = axes[0]
     ax.bar(names, [policies[n]["hit_ratio"] for n in names], color=colors)
     ax.axhline(ideal_hit_ratio, color="black", linestyle="--", linewidth=1, label="ideal")
@@ -111,7 +126,14 @@ def plot(
         ax = axes[2]
         for name, by_k in sweep.items():
             ks = sorted(by_k)
-            style = {"color": "tab:red", "linewidth": 2.5} if name == "ours" else {}
+            others = [
+                c for c in plt.rcParams["axes.prop_cycle"].by_key()["color"] if c != "#d62728"
+            ]
+            style = (
+                {"color": "tab:red", "linewidth": 2.5}
+                if name == "ours"
+                else {"color": others[list(sweep).index(name) % len(others)]}
+            )
             ax.plot(ks, [by_k[k] for k in ks], marker="o", label=name, **style)
         ax.axhline(ideal_hit_ratio, color="black", linestyle="--", linewidth=1, label="ideal")
         ax.set_xscale("log", base=2)
