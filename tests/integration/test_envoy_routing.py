@@ -145,7 +145,13 @@ def test_no_endpoint_is_a_clear_503(replica_stack):
             "health.interval_seconds=0.1",
         ]
         routed.restart_router()
-        time.sleep(1.0)
-        response = routed.send(chat_body("nobody is healthy " * 20))
+        # The router marks every endpoint unhealthy within ~0.2 s; Envoy sends to it again
+        # once its gRPC health check passes after the restart (up to ~2 s).
+        deadline = time.monotonic() + 10
+        while True:
+            response = routed.send(chat_body("nobody is healthy " * 20))
+            if response.status == 503 or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
         assert response.status == 503
         assert json.loads(response.body)["error"]["type"] == "prefix_router"
