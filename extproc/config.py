@@ -8,12 +8,20 @@ from __future__ import annotations
 
 import ipaddress
 import os
+import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 ENV_PREFIX = "PREFIX_ROUTER_"
 DEFAULT_HEADER = "x-gateway-destination-endpoint"
@@ -71,7 +79,7 @@ class ServerConfig(_Strict):
     workers: int = Field(default=1, ge=1, le=64, description="processes sharing the port")
     admin_listen: str = Field(
         default="127.0.0.1:9003",
-        description="HTTP admin address: /metrics, /healthz, /readyz, /debug/decisions",
+        description="HTTP admin address: /metrics, /healthz, /readyz, /debug/decisions ('' = off)",
     )
     body_mode: Literal["buffered", "full_duplex_streamed"] = Field(
         default="buffered", description="must match the Envoy filter's request_body_mode"
@@ -100,10 +108,17 @@ class ServerConfig(_Strict):
     )
     grace_seconds: float = Field(default=10.0, ge=0, description="drain time on SIGTERM")
 
-    @field_validator("listen", "admin_listen")
+    @field_validator("listen")
     @classmethod
     def _listen_is_ip_port(cls, value: str) -> str:
         parse_host_port(value, allow_port_zero=True)
+        return value
+
+    @field_validator("admin_listen")
+    @classmethod
+    def _admin_is_ip_port_or_off(cls, value: str) -> str:
+        if value:  # "" turns the admin endpoint off
+            parse_host_port(value, allow_port_zero=True)
         return value
 
     @field_validator("header_name", "served_header_name")
@@ -153,11 +168,119 @@ class HealthCheckConfig(_Strict):
     )
 
 
+_DNS_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?")
+_PORT_NAME = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?")
+SERVICE_ACCOUNT_DIR = "/var/run/secrets/kubernetes.io/serviceaccount"
+
+
+class DiscoveryConfig(_Strict):
+    """Where the replica set comes from: the static `endpoints` list, DNS, or Kubernetes.
+
+    kind=dns polls A/AAAA records of `dns_name` (port `dns_port`), or SRV records (port from
+    the record) with `srv: true`. kind=kubernetes lists and watches the EndpointSlices of
+    Service `service` in `namespace` and keeps the ready endpoints' `port`. Discovered
+    endpoints replace the static list; `capacity_tokens`/`weight` apply to each of them.
+    """
+
+    kind: Literal["static", "dns", "kubernetes"] = "static"
+    # kubernetes
+    namespace: str | None = Field(
+        default=None, description="namespace of the Service (default: the pod's own namespace)"
+    )
+    service: str | None = Field(default=None, description="Service whose EndpointSlices to watch")
+    port: int | str | None = Field(
+        default=None,
+        description="port name or target port number in the EndpointSlices (default: the only one)",
+    )
+    api_url: str | None = Field(
+        default=None,
+        description="Kubernetes API base URL (default: in-cluster https://$KUBERNETES_SERVICE_HOST)",
+    )
+    token_file: str = SERVICE_ACCOUNT_DIR + "/token"
+    ca_file: str = SERVICE_ACCOUNT_DIR + "/ca.crt"
+    watch_timeout_seconds: int = Field(
+        default=300, ge=10, le=3600, description="server-side watch expiry; then watch again"
+    )
+    # dns
+    dns_name: str | None = Field(default=None, description="name to resolve (A/AAAA or SRV)")
+    dns_port: int | None = Field(
+        default=None, ge=1, le=65535, description="port of A/AAAA endpoints (not with srv)"
+    )
+    srv: bool = Field(default=False, description="resolve SRV records (needs dnspython)")
+    address_family: Literal["any", "ipv4", "ipv6"] = "any"
+    interval_seconds: float = Field(default=5.0, gt=0, description="DNS polling interval")
+    # retries (both)
+    backoff_initial_seconds: float = Field(default=0.5, gt=0)
+    backoff_max_seconds: float = Field(default=30.0, gt=0)
+    # applied to every discovered endpoint
+    capacity_tokens: int | None = Field(default=None, gt=0)
+    weight: float = Field(default=1.0, gt=0)
+
+    @field_validator("namespace", "service")
+    @classmethod
+    def _dns_label(cls, value: str | None) -> str | None:
+        if value is not None and (len(value) > 63 or not _DNS_LABEL.fullmatch(value)):
+            raise ValueError(f"{value!r} is not a Kubernetes name (lowercase DNS label)")
+        return value
+
+    @field_validator("port")
+    @classmethod
+    def _port_name_or_number(cls, value: int | str | None) -> int | str | None:
+        if isinstance(value, str) and value.isdigit():
+            value = int(value)
+        if isinstance(value, int):
+            if not 1 <= value <= 65535:
+                raise ValueError(f"port {value} out of range 1-65535")
+        elif value is not None and (len(value) > 15 or not _PORT_NAME.fullmatch(value)):
+            raise ValueError(f"{value!r} is neither a port number nor a port name")
+        return value
+
+    @field_validator("api_url")
+    @classmethod
+    def _http_url(cls, value: str | None) -> str | None:
+        if value is not None and not value.startswith(("http://", "https://")):
+            raise ValueError(f"{value!r} must start with http:// or https://")
+        return value.rstrip("/") if value else value
+
+    @field_validator("dns_name")
+    @classmethod
+    def _dns_name(cls, value: str | None) -> str | None:
+        if value is not None and (not value.strip() or any(c.isspace() for c in value)):
+            raise ValueError("must be a DNS name without spaces")
+        return value
+
+    @model_validator(mode="after")
+    def _required_for_kind(self) -> DiscoveryConfig:
+        if self.kind == "kubernetes" and not self.service:
+            raise ValueError("service: required when kind is 'kubernetes'")
+        if self.kind == "dns":
+            if not self.dns_name:
+                raise ValueError("dns_name: required when kind is 'dns'")
+            if not self.srv and self.dns_port is None:
+                raise ValueError("dns_port: required when kind is 'dns' without srv")
+            if self.srv and self.dns_port is not None:
+                raise ValueError("dns_port: SRV records carry the port; remove dns_port")
+        if self.backoff_max_seconds < self.backoff_initial_seconds:
+            raise ValueError("backoff_max_seconds: must be >= backoff_initial_seconds")
+        return self
+
+
+class SignalsConfig(_Strict):
+    """Scraping the endpoints' own Prometheus metrics (vLLM or SGLang names)."""
+
+    enabled: bool = Field(default=True, description="scrape each endpoint's metrics")
+    path: str = Field(default="/metrics", description="metrics path on the endpoint")
+    interval_seconds: float = Field(default=2.0, gt=0, description="time between scrapes")
+    timeout_seconds: float = Field(default=1.0, gt=0, description="scrape timeout")
+
+
 class Config(_Strict):
     server: ServerConfig = ServerConfig()
     routing: RoutingConfig = RoutingConfig()
     health: HealthCheckConfig = HealthCheckConfig()
+    signals: SignalsConfig = SignalsConfig()
     endpoints: tuple[EndpointConfig, ...] = ()
+    discovery: DiscoveryConfig = DiscoveryConfig()
 
     @field_validator("endpoints", mode="before")
     @classmethod

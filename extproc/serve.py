@@ -10,23 +10,34 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import logging
 import multiprocessing
 import os
+import queue
+import shutil
 import signal
 import sys
+import tempfile
+import threading
 import time
 from collections import Counter
+from collections.abc import Callable
 from typing import Any
 
 import grpc
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ext_grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from prometheus_client.multiprocess import mark_process_dead
 
+from .admin import DecisionLog, build_admin_app, decision_record, start_admin
 from .config import Config, ConfigError, load_config
 from .endpoints import HealthChecker
+from .metrics import MULTIPROC_ENV, RouterMetrics
 from .router import Router
 from .server import ExternalProcessorService, Outcome
+from .signals import MetricsScraper
+from .telemetry import DecisionTracer, tracer_from_env
 
 log = logging.getLogger("extproc")
 
@@ -48,19 +59,65 @@ class OutcomeCounter:
             log.info("first %s request (%s); further ones are only counted", *key)
 
 
-class RouterService:
-    """The gRPC server, router and endpoint health checks of one worker process."""
+_METRICS: RouterMetrics | None = None
 
-    def __init__(self, config: Config) -> None:
+
+def process_metrics() -> RouterMetrics:
+    """One metrics object per process (prometheus_client registers names globally)."""
+    global _METRICS
+    if _METRICS is None:
+        _METRICS = RouterMetrics()
+    return _METRICS
+
+
+class RouterService:
+    """The gRPC server, router, probes, scraper and (single-process) admin of one worker.
+
+    ``decision_sink`` replaces the local decision log in worker processes: the supervisor
+    owns the admin endpoint and collects every worker's decisions.
+    """
+
+    def __init__(
+        self,
+        config: Config,
+        decision_sink: Callable[[dict[str, Any]], None] | None = None,
+        serve_admin: bool = True,
+        tracer: DecisionTracer | None = None,
+    ) -> None:
         self.config = config
         self.router = Router(config.routing, config.endpoints)
         self.outcomes = OutcomeCounter()
+        self.metrics = process_metrics()
+        self.decisions = DecisionLog(config.server.decisions_kept)
+        self._decision_sink = decision_sink or self.decisions.add
+        self.tracer = tracer if tracer is not None else DecisionTracer(tracer_from_env())
         self.health = health.aio.HealthServicer()
         self.checker = HealthChecker(
             config.health, lambda: self.router.endpoints, self.router.set_health
         )
+        self.scraper = MetricsScraper(
+            lambda: self.router.endpoints,
+            self.metrics.record_signals,
+            config.signals.path,
+            config.signals.interval_seconds,
+            config.signals.timeout_seconds,
+        )
+        self.serve_admin = serve_admin and bool(config.server.admin_listen)
         self.server: grpc.aio.Server | None = None
+        self.admin_runner: Any = None
         self.port = 0
+        self.admin_port = 0
+        self._refresher: asyncio.Task[None] | None = None
+        self._ready = False
+
+    def observe(self, outcome: Outcome) -> None:
+        self.outcomes(outcome)
+        self.metrics.observe(outcome)
+        if self.config.server.decisions_kept:
+            self._decision_sink(decision_record(outcome))
+
+    def ready(self) -> bool:
+        return self._ready
 
     async def start(self) -> int:
         max_message = self.config.server.max_body_bytes + 1024 * 1024
@@ -71,18 +128,34 @@ class RouterService:
                 ("grpc.max_send_message_length", max_message),
             ]
         )
-        service = ExternalProcessorService(self.router, self.config.server, self.outcomes)
+        service = ExternalProcessorService(
+            self.router, self.config.server, self.observe, self.tracer
+        )
         ext_grpc.add_ExternalProcessorServicer_to_server(service, self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         self.port = self.server.add_insecure_port(self.config.server.listen)
         if self.port == 0:
             raise RuntimeError(f"cannot listen on {self.config.server.listen}")
         await self.server.start()
+        if self.serve_admin:
+            app = build_admin_app(self.decisions, self.ready)
+            self.admin_runner, self.admin_port = await start_admin(
+                app, self.config.server.admin_listen
+            )
         await self._set_serving(bool(self.config.endpoints))
         self.checker.start()
+        if self.config.signals.enabled:
+            self.scraper.start()
+        self._refresher = asyncio.create_task(self._refresh_gauges(), name="gauges")
         return self.port
 
+    async def _refresh_gauges(self) -> None:
+        while True:
+            self.metrics.refresh(self.router)
+            await asyncio.sleep(1.0)
+
     async def _set_serving(self, ready: bool) -> None:
+        self._ready = ready
         serving = health_pb2.HealthCheckResponse.SERVING
         not_serving = health_pb2.HealthCheckResponse.NOT_SERVING
         await self.health.set("liveness", serving)
@@ -93,20 +166,32 @@ class RouterService:
         """Report not-ready first so Envoy stops opening streams, then drain."""
         await self._set_serving(False)
         await self.checker.stop()
+        await self.scraper.stop()
+        if self._refresher is not None:
+            self._refresher.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._refresher
         if self.server is not None:
             await self.server.stop(self.config.server.grace_seconds if grace is None else grace)
+        if self.admin_runner is not None:
+            await self.admin_runner.cleanup()
 
 
-async def serve_until_signalled(config: Config) -> None:
-    service = RouterService(config)
+async def serve_until_signalled(
+    config: Config,
+    decision_sink: Callable[[dict[str, Any]], None] | None = None,
+    serve_admin: bool = True,
+) -> None:
+    service = RouterService(config, decision_sink, serve_admin)
     port = await service.start()
     log.info(
-        "pid %d serving ext_proc on %s (port %d), %d endpoints, body mode %s",
+        "pid %d serving ext_proc on %s (port %d), %d endpoints, body mode %s%s",
         os.getpid(),
         config.server.listen,
         port,
         len(config.endpoints),
         config.server.body_mode,
+        f", admin on port {service.admin_port}" if service.admin_port else "",
     )
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -117,53 +202,104 @@ async def serve_until_signalled(config: Config) -> None:
     await service.stop()
 
 
-def _worker_main(config_data: dict[str, Any], log_level: str) -> None:
+def _worker_main(config_data: dict[str, Any], log_level: str, decisions: Any) -> None:
     _setup_logging(log_level)
-    asyncio.run(serve_until_signalled(Config.model_validate(config_data)))
+
+    def sink(record: dict[str, Any]) -> None:
+        with contextlib.suppress(queue.Full):
+            decisions.put_nowait(record)  # dropped, never blocking, when the admin lags
+
+    asyncio.run(serve_until_signalled(Config.model_validate(config_data), sink, serve_admin=False))
 
 
-def run_workers(config: Config, log_level: str) -> int:
-    """Supervise N worker processes; restart one that dies, stop all on a signal."""
-    ctx = multiprocessing.get_context("spawn")
-    data = config.model_dump(mode="json")
-    stopping = False
+class _Supervisor:
+    """Runs N workers on one port, the shared admin endpoint, and restarts dead workers."""
 
-    def spawn() -> multiprocessing.process.BaseProcess:
-        process = ctx.Process(target=_worker_main, args=(data, log_level), daemon=False)
+    def __init__(self, config: Config, log_level: str) -> None:
+        self.config = config
+        self.log_level = log_level
+        self.ctx = multiprocessing.get_context("spawn")
+        self.data = config.model_dump(mode="json")
+        self.decision_queue = self.ctx.Queue(maxsize=4096)
+        self.decisions = DecisionLog(config.server.decisions_kept)
+        self.stopping = False
+        self.workers: list[multiprocessing.process.BaseProcess] = []
+
+    def spawn(self) -> multiprocessing.process.BaseProcess:
+        process = self.ctx.Process(
+            target=_worker_main, args=(self.data, self.log_level, self.decision_queue)
+        )
         process.start()
         return process
 
-    def on_signal(signum: int, _frame: object) -> None:
-        nonlocal stopping
-        stopping = True
-        for p in workers:
+    def ready(self) -> bool:
+        alive = any(p.is_alive() for p in self.workers)
+        return alive and not self.stopping and bool(self.config.endpoints)
+
+    def on_signal(self, signum: int, _frame: object) -> None:
+        self.stopping = True
+        for p in self.workers:
             if p.is_alive() and p.pid:
                 os.kill(p.pid, signum)
 
-    workers = [spawn() for _ in range(config.server.workers)]
-    started = [time.monotonic()] * len(workers)
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
-    quick_failures = 0
-    while True:
-        time.sleep(0.2)
-        if stopping:
-            for p in workers:
-                p.join()
-            return 0
-        for i, p in enumerate(workers):
-            if p.is_alive():
-                continue
-            if time.monotonic() - started[i] < 5:
-                quick_failures += 1
-            if quick_failures > 3 * config.server.workers:
-                log.error("workers keep failing at start-up; giving up")
-                on_signal(signal.SIGTERM, None)
-                for q in workers:
-                    q.join()
-                return 1
-            log.warning("worker pid %s exited with %s; restarting", p.pid, p.exitcode)
-            workers[i], started[i] = spawn(), time.monotonic()
+    def _admin_thread(self) -> None:
+        async def main() -> None:
+            app = build_admin_app(self.decisions, self.ready)
+            runner, port = await start_admin(app, self.config.server.admin_listen)
+            log.info("admin endpoint on port %d (all workers)", port)
+            while not self.stopping or any(p.is_alive() for p in self.workers):
+                await asyncio.sleep(0.2)
+            await runner.cleanup()
+
+        asyncio.run(main())
+
+    def _drain_decisions(self) -> None:
+        with contextlib.suppress(queue.Empty):
+            for _ in range(10_000):
+                self.decisions.add(self.decision_queue.get_nowait())
+
+    def run(self) -> int:
+        self.workers = [self.spawn() for _ in range(self.config.server.workers)]
+        started = [time.monotonic()] * len(self.workers)
+        signal.signal(signal.SIGTERM, self.on_signal)
+        signal.signal(signal.SIGINT, self.on_signal)
+        if self.config.server.admin_listen:
+            threading.Thread(target=self._admin_thread, name="admin", daemon=True).start()
+        quick_failures = 0
+        while True:
+            time.sleep(0.1)
+            self._drain_decisions()
+            if self.stopping:
+                for p in self.workers:
+                    p.join()
+                return 0
+            for i, p in enumerate(self.workers):
+                if p.is_alive():
+                    continue
+                mark_process_dead(p.pid)
+                if time.monotonic() - started[i] < 5:
+                    quick_failures += 1
+                if quick_failures > 3 * self.config.server.workers:
+                    log.error("workers keep failing at start-up; giving up")
+                    self.on_signal(signal.SIGTERM, None)
+                    for q in self.workers:
+                        q.join()
+                    return 1
+                log.warning("worker pid %s exited with %s; restarting", p.pid, p.exitcode)
+                self.workers[i], started[i] = self.spawn(), time.monotonic()
+
+
+def run_workers(config: Config, log_level: str) -> int:
+    """Supervise N worker processes; metrics from all of them through one admin endpoint."""
+    own_dir = None
+    if not os.environ.get(MULTIPROC_ENV):
+        own_dir = tempfile.mkdtemp(prefix="prefix-router-metrics-")
+        os.environ[MULTIPROC_ENV] = own_dir  # inherited by the spawned workers
+    try:
+        return _Supervisor(config, log_level).run()
+    finally:
+        if own_dir is not None:
+            shutil.rmtree(own_dir, ignore_errors=True)
 
 
 def _setup_logging(level: str) -> None:

@@ -14,6 +14,7 @@ import logging
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import grpc
 import orjson
@@ -28,6 +29,7 @@ from .config import ServerConfig
 from .prompt import NotRoutable, api_for_path, parse_request
 from .router import Router
 from .scheduler import RULE_NO_ENDPOINT, Decision
+from .telemetry import DecisionTracer
 
 log = logging.getLogger(__name__)
 
@@ -79,6 +81,7 @@ class _Exchange:
     chunks: list[bytes] = field(default_factory=list)
     size: int = 0
     subset: frozenset[str] | None = None
+    span: Any = None
     outcome: Outcome = field(default_factory=lambda: Outcome("pass_through", "no_body"))
 
 
@@ -128,10 +131,14 @@ class ExternalProcessorService(ext_grpc.ExternalProcessorServicer):
         router: Router,
         config: ServerConfig,
         observer: Callable[[Outcome], None] | None = None,
+        tracer: DecisionTracer | None = None,
     ) -> None:
         self.router = router
         self.config = config
         self.observer = observer
+        self.tracer = tracer or DecisionTracer(None)
+        routing = router.config
+        self._block_tokens = routing.block_size_bytes / routing.bytes_per_token
         self._full_duplex_default = config.body_mode == "full_duplex_streamed"
 
     # -- building the decision ----------------------------------------------------------
@@ -141,18 +148,20 @@ class ExternalProcessorService(ext_grpc.ExternalProcessorServicer):
         return ",".join([decision.endpoint or "", *decision.fallbacks])
 
     def _decision_parts(
-        self, decision: Decision
+        self, decision: Decision, span: Any = None
     ) -> tuple[ext_pb.CommonResponse, struct_pb2.Struct]:
         value = self._destination(decision)
+        # The decision, plus the trace context that makes the model server's spans children
+        # of this decision's span.
+        headers = {self.config.header_name: value, **self.tracer.inject(span)}
         common = ext_pb.CommonResponse(
             header_mutation=ext_pb.HeaderMutation(
                 set_headers=[
                     base_pb2.HeaderValueOption(
-                        header=base_pb2.HeaderValue(
-                            key=self.config.header_name, raw_value=value.encode()
-                        ),
+                        header=base_pb2.HeaderValue(key=name, raw_value=text.encode()),
                         append_action=_OVERWRITE,
                     )
+                    for name, text in headers.items()
                 ]
             ),
             clear_route_cache=True,
@@ -189,7 +198,7 @@ class ExternalProcessorService(ext_grpc.ExternalProcessorServicer):
             outcome.kind = "no_endpoint"
             return immediate_response(503, "no ready endpoint for this request")
         outcome.kind = "routed"
-        return self._decision_parts(decision)
+        return self._decision_parts(decision, ex.span)
 
     # -- the stream ---------------------------------------------------------------------
     async def Process(
@@ -209,6 +218,7 @@ class ExternalProcessorService(ext_grpc.ExternalProcessorServicer):
         finally:
             if ex.outcome.decision is not None:
                 self.router.finish(ex.outcome.decision)
+            self.tracer.finish(ex.span, ex.outcome, self._block_tokens)
             if self.observer is not None:
                 self.observer(ex.outcome)
 
@@ -234,6 +244,7 @@ class ExternalProcessorService(ext_grpc.ExternalProcessorServicer):
             ex.full_duplex = request.protocol_config.request_body_mode == FULL_DUPLEX
         headers = _header_map(request.request_headers)
         ex.outcome.headers = headers
+        ex.span = self.tracer.start(headers)
         api = api_for_path(headers.get(":path", ""))
         method = headers.get(":method", "")
         ex.subset = _subset_hint(request)

@@ -123,6 +123,8 @@ class Stack:
     workdir: Path | None = None
     processes: list[ManagedProcess] = field(default_factory=list)
     replicas: list[str] = field(default_factory=list)
+    # router name -> its admin HTTP port (kept across restarts of that router)
+    router_admin_ports: dict[str, int] = field(default_factory=dict)
     _tmp: tempfile.TemporaryDirectory[str] | None = None
 
     def __enter__(self) -> Stack:
@@ -189,12 +191,16 @@ class Stack:
     ) -> tuple[str, ManagedProcess]:
         port = port or free_port()
         address = f"{LOOPBACK}:{port}"
+        admin_port = self.router_admin_ports.get(name) or free_port()
+        self.router_admin_ports[name] = admin_port
         proc = self._spawn(
             name,
             python_cli(
                 "serve",
                 "--listen",
                 address,
+                "--set",
+                f"server.admin_listen={LOOPBACK}:{admin_port}",
                 "--endpoints",
                 ",".join(endpoints),
                 "--body-mode",

@@ -61,7 +61,12 @@ CHAT = orjson.dumps({"model": "m", "messages": [{"role": "user", "content": "hel
 @pytest.fixture
 async def service():
     cfg = load_config(
-        overrides={"server.listen": "127.0.0.1:0", "endpoints": ENDPOINTS, "health.enabled": False},
+        overrides={
+            "server.listen": "127.0.0.1:0",
+            "server.admin_listen": "127.0.0.1:0",
+            "endpoints": ENDPOINTS,
+            "health.enabled": False,
+        },
         environ={},
     )
     svc = RouterService(cfg)
@@ -250,6 +255,7 @@ async def test_single_destination_emits_only_the_primary():
     cfg = load_config(
         overrides={
             "server.listen": "127.0.0.1:0",
+            "server.admin_listen": "",
             "endpoints": ENDPOINTS,
             "health.enabled": False,
             "server.single_destination": True,

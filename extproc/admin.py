@@ -1,0 +1,103 @@
+"""The admin HTTP endpoint: Prometheus metrics, liveness, readiness, recent decisions.
+
+GET /metrics           Prometheus text (all workers' totals with --workers N)
+GET /healthz           200 while the process runs
+GET /readyz            200 when endpoints are known (and, with workers, one is alive); else 503
+GET /debug/decisions   the last N decisions with their full explanation, newest first
+                       (?limit=K, ?outcome=routed|pass_through|no_endpoint|error)
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import orjson
+from aiohttp import web
+
+from .metrics import exposition
+
+if TYPE_CHECKING:
+    from .server import Outcome
+
+
+def decision_record(outcome: Outcome) -> dict[str, Any]:
+    """A JSON-ready record of one request: what came in, what was decided, and why."""
+    record: dict[str, Any] = {
+        "time": round(time.time(), 3),
+        "outcome": outcome.kind,
+        "reason": outcome.decision.rule if outcome.decision is not None else outcome.detail,
+        "path": outcome.headers.get(":path", ""),
+        "api": outcome.api,
+        "model": outcome.model,
+        "body_bytes": outcome.body_bytes,
+        "prompt_bytes": outcome.prompt_bytes,
+        "decision_ms": round(outcome.decide_seconds * 1000, 3),
+        "served": outcome.served,
+        "status": outcome.status,
+    }
+    if outcome.decision is not None:
+        record["decision"] = outcome.decision.explain()
+    return record
+
+
+class DecisionLog:
+    """Bounded ring of recent decision records."""
+
+    def __init__(self, size: int) -> None:
+        self._records: deque[dict[str, Any]] = deque(maxlen=max(size, 1))
+        self.enabled = size > 0
+
+    def add(self, record: dict[str, Any]) -> None:
+        if self.enabled:
+            self._records.append(record)
+
+    def recent(self, limit: int, outcome: str | None = None) -> list[dict[str, Any]]:
+        records = [r for r in reversed(self._records) if outcome in (None, r["outcome"])]
+        return records[:limit]
+
+
+def build_admin_app(decisions: DecisionLog, ready: Callable[[], bool]) -> web.Application:
+    async def metrics(_request: web.Request) -> web.Response:
+        body, content_type = exposition()
+        return web.Response(body=body, headers={"Content-Type": content_type})
+
+    async def healthz(_request: web.Request) -> web.Response:
+        return web.Response(text="ok\n")
+
+    async def readyz(_request: web.Request) -> web.Response:
+        if ready():
+            return web.Response(text="ready\n")
+        return web.Response(status=503, text="not ready\n")
+
+    async def recent(request: web.Request) -> web.Response:
+        try:
+            limit = max(0, int(request.query.get("limit", "50")))
+        except ValueError:
+            return web.json_response({"error": "limit must be an integer"}, status=400)
+        records = decisions.recent(limit, request.query.get("outcome"))
+        return web.Response(
+            body=orjson.dumps({"decisions": records}), content_type="application/json"
+        )
+
+    app = web.Application()
+    app.router.add_get("/metrics", metrics)
+    app.router.add_get("/healthz", healthz)
+    app.router.add_get("/readyz", readyz)
+    app.router.add_get("/debug/decisions", recent)
+    return app
+
+
+async def start_admin(app: web.Application, listen: str) -> tuple[web.AppRunner, int]:
+    from .config import parse_host_port
+
+    host, port = parse_host_port(listen, allow_port_zero=True)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, host, port)
+    await site.start()
+    server = site._server
+    bound = server.sockets[0].getsockname()[1] if server and server.sockets else port
+    return runner, bound

@@ -1,0 +1,169 @@
+"""Prometheus metrics of the router (prometheus_client), correct across worker processes.
+
+With ``--workers N`` the supervisor sets PROMETHEUS_MULTIPROC_DIR before starting the
+workers; each worker's values live in memory-mapped files there and the supervisor's admin
+endpoint sums them (gauges by their declared ``multiprocess_mode``).
+Metric names are prefixed ``prefix_router_``; endpoint labels are endpoint addresses, so
+cardinality is bounded by the endpoint set.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import TYPE_CHECKING
+
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    REGISTRY,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+)
+
+if TYPE_CHECKING:
+    from .router import Router
+    from .server import Outcome
+    from .signals import EndpointSignals
+
+MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
+DECISION_BUCKETS = (25e-6, 50e-6, 100e-6, 200e-6, 500e-6, 1e-3, 2e-3, 5e-3, 10e-3, 50e-3)
+BODY_BUCKETS = tuple(float(2**k) for k in range(10, 27, 2))  # 1 KiB .. 64 MiB
+
+
+class RouterMetrics:
+    def __init__(self, registry: CollectorRegistry = REGISTRY) -> None:
+        def counter(name: str, doc: str, labels: tuple[str, ...] = ()) -> Counter:
+            return Counter(name, doc, labels, registry=registry)
+
+        def gauge(name: str, doc: str, labels: tuple[str, ...], mode: str) -> Gauge:
+            return Gauge(name, doc, labels, registry=registry, multiprocess_mode=mode)
+
+        self.requests = counter(
+            "prefix_router_requests",
+            "Requests seen, by outcome (routed, pass_through, no_endpoint, error) and "
+            "reason (the rule that fired, the pass-through kind, or the error type)",
+            ("outcome", "reason"),
+        )
+        self.decision_seconds = Histogram(
+            "prefix_router_decision_seconds",
+            "Time to parse, hash, match and schedule one request",
+            buckets=DECISION_BUCKETS,
+            registry=registry,
+        )
+        self.body_bytes = Histogram(
+            "prefix_router_request_body_bytes",
+            "Request bodies the router read",
+            buckets=BODY_BUCKETS,
+            registry=registry,
+        )
+        self.endpoint_decisions = counter(
+            "prefix_router_endpoint_decisions", "Requests routed to each endpoint", ("endpoint",)
+        )
+        self.prompt_blocks = counter(
+            "prefix_router_prompt_blocks",
+            "Prompt blocks of routed requests, per chosen endpoint",
+            ("endpoint",),
+        )
+        self.matched_blocks = counter(
+            "prefix_router_matched_blocks",
+            "Prompt blocks the index predicted cached on the chosen endpoint "
+            "(predicted hit ratio = matched / prompt)",
+            ("endpoint",),
+        )
+        self.served_elsewhere = counter(
+            "prefix_router_served_elsewhere",
+            "Requests Envoy served on another endpoint than the router chose (retry/fallback)",
+        )
+        self.in_flight = gauge(
+            "prefix_router_endpoint_in_flight",
+            "Requests in flight per endpoint, as tracked by the router",
+            ("endpoint",),
+            "livesum",
+        )
+        self.healthy = gauge(
+            "prefix_router_endpoint_healthy",
+            "1 if the endpoint passes the router's health probes",
+            ("endpoint",),
+            "livemin",
+        )
+        self.index_entries = gauge(
+            "prefix_router_index_entries",
+            "Block hashes held in the index",
+            ("endpoint",),
+            "livesum",
+        )
+        self.index_bytes = gauge(
+            "prefix_router_index_bytes", "Approximate memory of the index", (), "livesum"
+        )
+        self.realised_hit_ratio = gauge(
+            "prefix_router_endpoint_realised_hit_ratio",
+            "Prefix-cache hit ratio the endpoint itself reports (tokens, last scrape window)",
+            ("endpoint",),
+            "livemax",
+        )
+        self.metrics_up = gauge(
+            "prefix_router_endpoint_metrics_up",
+            "1 if the endpoint's /metrics answered at the last scrape",
+            ("endpoint",),
+            "livemin",
+        )
+        self.queue_depth = gauge(
+            "prefix_router_endpoint_waiting_requests",
+            "Requests waiting in the endpoint's queue (scraped)",
+            ("endpoint",),
+            "livemax",
+        )
+        self.kv_usage = gauge(
+            "prefix_router_endpoint_kv_usage",
+            "KV-cache usage fraction the endpoint reports (scraped)",
+            ("endpoint",),
+            "livemax",
+        )
+
+    def observe(self, outcome: Outcome) -> None:
+        decision = outcome.decision
+        reason = decision.rule if decision is not None else outcome.detail
+        self.requests.labels(outcome.kind, reason).inc()
+        if outcome.body_bytes:
+            self.body_bytes.observe(outcome.body_bytes)
+        if outcome.decide_seconds:
+            self.decision_seconds.observe(outcome.decide_seconds)
+        if decision is not None and decision.endpoint:
+            self.endpoint_decisions.labels(decision.endpoint).inc()
+            self.prompt_blocks.labels(decision.endpoint).inc(decision.total_blocks)
+            self.matched_blocks.labels(decision.endpoint).inc(decision.matched_blocks)
+            if decision.served:
+                self.served_elsewhere.inc()
+
+    def refresh(self, router: Router) -> None:
+        """Copy the router's state into gauges (called on a timer, not per request)."""
+        for address, count in router.in_flight().items():
+            self.in_flight.labels(address).set(count)
+        healthy = set(router.healthy_endpoints())
+        for address in router.endpoints:
+            self.healthy.labels(address).set(1 if address in healthy else 0)
+        for address, entries in router.index.entries_by_endpoint().items():
+            self.index_entries.labels(address).set(entries)
+        self.index_bytes.set(router.index_stats().approx_bytes)
+
+    def record_signals(self, address: str, signals: EndpointSignals) -> None:
+        self.metrics_up.labels(address).set(1 if signals.up else 0)
+        if signals.window_hit_ratio is not None:
+            self.realised_hit_ratio.labels(address).set(signals.window_hit_ratio)
+        if signals.waiting is not None:
+            self.queue_depth.labels(address).set(signals.waiting)
+        if signals.kv_usage is not None:
+            self.kv_usage.labels(address).set(signals.kv_usage)
+
+
+def exposition() -> tuple[bytes, str]:
+    """The text to serve on /metrics: this process, or every worker's in multiprocess mode."""
+    if os.environ.get(MULTIPROC_ENV):
+        from prometheus_client import multiprocess
+
+        registry = CollectorRegistry()
+        multiprocess.MultiProcessCollector(registry)
+        return generate_latest(registry), CONTENT_TYPE_LATEST
+    return generate_latest(REGISTRY), CONTENT_TYPE_LATEST

@@ -1,0 +1,147 @@
+"""Scrape each endpoint's Prometheus /metrics for what the model server itself reports.
+
+vLLM names (``vllm:*``) and SGLang equivalents (``sglang:*``): running and waiting requests,
+KV-cache usage, and the prefix-cache counters, from which the **realised** hit ratio over the
+last scrape window is published next to the router's predicted one; a stale index or a
+silent degradation shows as a gap between the two. A dead or slow endpoint only marks its
+signals down (metric + one log line per transition); routing never waits for a scrape.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import aiohttp
+from prometheus_client.parser import text_string_to_metric_families
+
+log = logging.getLogger(__name__)
+
+# sample name -> field; first listed wins when a server exports several.
+_GAUGES = {
+    "vllm:num_requests_running": "running",
+    "sglang:num_running_reqs": "running",
+    "vllm:num_requests_waiting": "waiting",
+    "sglang:num_queue_reqs": "waiting",
+    "vllm:kv_cache_usage_perc": "kv_usage",
+    "vllm:gpu_cache_usage_perc": "kv_usage",
+    "sglang:token_usage": "kv_usage",
+}
+_COUNTERS = {
+    "vllm:prefix_cache_hits_total": "hits",
+    "vllm:prefix_cache_queries_total": "queries",
+}
+
+
+@dataclass
+class EndpointSignals:
+    up: bool = False
+    running: float | None = None
+    waiting: float | None = None
+    kv_usage: float | None = None
+    hits: float | None = None
+    queries: float | None = None
+    block_size: int | None = None
+    num_blocks: int | None = None
+    # Hits / queries between the last two scrapes that saw new queries.
+    window_hit_ratio: float | None = None
+
+
+def parse_metrics(text: str) -> EndpointSignals:
+    signals = EndpointSignals(up=True)
+    sums: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            name = sample.name
+            if name in _GAUGES or name in _COUNTERS:
+                field = _GAUGES.get(name) or _COUNTERS[name]
+                sums[field] = sums.get(field, 0.0) + sample.value
+            elif name == "vllm:cache_config_info":
+                with contextlib.suppress(KeyError, ValueError):
+                    signals.block_size = int(sample.labels["block_size"])
+                    signals.num_blocks = int(sample.labels["num_gpu_blocks"])
+    for field, value in sums.items():
+        setattr(signals, field, value)
+    return signals
+
+
+class MetricsScraper:
+    def __init__(
+        self,
+        addresses: Callable[[], list[str]],
+        on_update: Callable[[str, EndpointSignals], None],
+        path: str = "/metrics",
+        interval_seconds: float = 2.0,
+        timeout_seconds: float = 1.0,
+    ) -> None:
+        self._addresses = addresses
+        self._on_update = on_update
+        self.path = path
+        self.interval = interval_seconds
+        self.timeout = timeout_seconds
+        self.latest: dict[str, EndpointSignals] = {}
+        self._task: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        if self._task is None:
+            self._task = asyncio.create_task(self._loop(), name="endpoint-metrics")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+
+    async def _loop(self) -> None:
+        async with aiohttp.ClientSession(
+            timeout=aiohttp.ClientTimeout(total=self.timeout)
+        ) as session:
+            while True:
+                await self.scrape_all(session)
+                await asyncio.sleep(self.interval)
+
+    async def scrape_all(self, session: aiohttp.ClientSession) -> None:
+        addresses = self._addresses()
+        results = await asyncio.gather(*(self._scrape(session, a) for a in addresses))
+        for address, signals in zip(addresses, results, strict=True):
+            self._merge(address, signals)
+
+    async def _scrape(self, session: aiohttp.ClientSession, address: str) -> EndpointSignals:
+        try:
+            async with session.get(f"http://{address}{self.path}") as response:
+                if response.status != 200:
+                    return EndpointSignals(up=False)
+                return parse_metrics(await response.text())
+        except (aiohttp.ClientError, TimeoutError, OSError, ValueError):
+            return EndpointSignals(up=False)
+
+    def _merge(self, address: str, signals: EndpointSignals) -> None:
+        previous = self.latest.get(address)
+        if previous is not None and previous.up != signals.up:
+            log.warning(
+                "metrics of %s %s; %s",
+                address,
+                "are back" if signals.up else "unavailable",
+                "using its signals again" if signals.up else "routing on in-flight counts only",
+            )
+        if previous is not None:
+            signals.window_hit_ratio = previous.window_hit_ratio
+            if not signals.up:  # keep the last counters so the next window is measured
+                signals.hits, signals.queries = previous.hits, previous.queries
+            if (
+                signals.up
+                and previous.queries is not None
+                and signals.queries is not None
+                and signals.hits is not None
+                and previous.hits is not None
+                and signals.queries > previous.queries
+            ):
+                signals.window_hit_ratio = (signals.hits - previous.hits) / (
+                    signals.queries - previous.queries
+                )
+        self.latest[address] = signals
+        self._on_update(address, signals)
