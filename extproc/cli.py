@@ -15,6 +15,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "serve": ("extproc.serve", "run the ext_proc gRPC service"),
     "envoy-config": ("extproc.envoyconf", "write an Envoy config for an endpoint list"),
     "config": ("extproc.configcmd", "validate a config file, or print the field reference"),
+    "healthcheck": ("extproc.healthcheck", "probe the router's gRPC health service"),
     "fake-replica": ("extproc.fake_replica", "run a stand-in OpenAI-compatible model server"),
     "demo": ("extproc.demo", "Envoy + router + stand-in replicas: prefix vs round robin"),
     "bench": ("extproc.bench", "benchmarks: simulate"),

@@ -31,7 +31,8 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from prometheus_client.multiprocess import mark_process_dead
 
 from .admin import DecisionLog, build_admin_app, decision_record, start_admin
-from .config import Config, ConfigError, load_config
+from .config import Config, ConfigError, EndpointConfig, load_config
+from .discovery import source_from_config
 from .endpoints import HealthChecker
 from .metrics import MULTIPROC_ENV, RouterMetrics
 from .router import Router
@@ -108,6 +109,8 @@ class RouterService:
         self.port = 0
         self.admin_port = 0
         self._refresher: asyncio.Task[None] | None = None
+        self._discovery: asyncio.Task[None] | None = None
+        self._background: set[asyncio.Task[None]] = set()
         self._ready = False
 
     def observe(self, outcome: Outcome) -> None:
@@ -146,8 +149,19 @@ class RouterService:
         self.checker.start()
         if self.config.signals.enabled:
             self.scraper.start()
+        if self.config.discovery.kind != "static":
+            source = source_from_config(self.config.discovery, self.config.endpoints)
+            self._discovery = asyncio.create_task(source.run(self._on_endpoints), name="discovery")
         self._refresher = asyncio.create_task(self._refresh_gauges(), name="gauges")
         return self.port
+
+    def _on_endpoints(self, endpoints: list[EndpointConfig]) -> None:
+        """Discovery changed the endpoint set: removed endpoints' index entries are dropped."""
+        self.router.set_endpoints(endpoints)
+        log.info("endpoints now: %s", ", ".join(e.address for e in endpoints) or "(none)")
+        task = asyncio.get_running_loop().create_task(self._set_serving(bool(endpoints)))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
 
     async def _refresh_gauges(self) -> None:
         while True:
@@ -167,10 +181,11 @@ class RouterService:
         await self._set_serving(False)
         await self.checker.stop()
         await self.scraper.stop()
-        if self._refresher is not None:
-            self._refresher.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._refresher
+        for task in (self._refresher, self._discovery):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
         if self.server is not None:
             await self.server.stop(self.config.server.grace_seconds if grace is None else grace)
         if self.admin_runner is not None:
@@ -234,7 +249,8 @@ class _Supervisor:
 
     def ready(self) -> bool:
         alive = any(p.is_alive() for p in self.workers)
-        return alive and not self.stopping and bool(self.config.endpoints)
+        known = bool(self.config.endpoints) or self.config.discovery.kind != "static"
+        return alive and not self.stopping and known
 
     def on_signal(self, signum: int, _frame: object) -> None:
         self.stopping = True
@@ -352,7 +368,7 @@ def run(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         print(f"prefix-router: invalid configuration\n{exc}", file=sys.stderr)
         return 2
-    if not config.endpoints:
+    if not config.endpoints and config.discovery.kind == "static":
         log.warning("no endpoints configured: every routable request will get a 503")
     if config.server.workers > 1:
         return run_workers(config, args.log_level)

@@ -188,6 +188,7 @@ class Stack:
         port: int | None = None,
         extra_args: Sequence[str] = (),
         name: str = "router",
+        env: dict[str, str] | None = None,
     ) -> tuple[str, ManagedProcess]:
         port = port or free_port()
         address = f"{LOOPBACK}:{port}"
@@ -209,6 +210,7 @@ class Stack:
                 str(workers),
                 *extra_args,
             ),
+            env,
         )
         wait_for_port(port, proc)
         return address, proc

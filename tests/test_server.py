@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import grpc
 import orjson
 import pytest
@@ -271,3 +273,31 @@ async def test_single_destination_emits_only_the_primary():
     await svc.stop(0)
     header, metadata = destination(responses[1])
     assert header == metadata and "," not in header
+
+
+async def test_dns_discovery_feeds_the_router_and_readiness():
+    cfg = load_config(
+        overrides={
+            "server.listen": "127.0.0.1:0",
+            "server.admin_listen": "",
+            "health.enabled": False,
+            "signals.enabled": False,
+            "discovery.kind": "dns",
+            "discovery.dns_name": "localhost",
+            "discovery.dns_port": 8000,
+            "discovery.address_family": "ipv4",
+            "discovery.interval_seconds": 0.1,
+        },
+        environ={},
+    )
+    svc = RouterService(cfg)
+    await svc.start()
+    assert not svc.ready()  # no endpoint known yet
+    for _ in range(50):
+        if svc.router.endpoints:
+            break
+        await asyncio.sleep(0.05)
+    await asyncio.sleep(0.05)
+    assert svc.router.endpoints == ["127.0.0.1:8000"]
+    assert svc.ready()
+    await svc.stop(0)

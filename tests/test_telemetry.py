@@ -1,0 +1,139 @@
+"""Decision spans: attributes per rule, parent from traceparent, context injected upstream."""
+
+from __future__ import annotations
+
+import grpc
+import orjson
+import pytest
+from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as epg
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.trace import StatusCode
+
+from extproc.config import load_config
+from extproc.serve import RouterService
+from extproc.telemetry import SPAN_NAME, TOP_K, DecisionTracer, tracer_from_env
+
+from .test_server import ENDPOINTS, body_msg, exchange, headers_msg
+
+TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
+PARENT_ID = "00f067aa0ba902b7"
+TRACEPARENT = f"00-{TRACE_ID}-{PARENT_ID}-01"
+
+
+@pytest.fixture
+async def traced():
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    cfg = load_config(
+        overrides={
+            "server.listen": "127.0.0.1:0",
+            "server.admin_listen": "",
+            "endpoints": ENDPOINTS,
+            "health.enabled": False,
+            "signals.enabled": False,
+            "routing.load_epsilon": 0.0,
+            "routing.load_slack": 1,
+        },
+        environ={},
+    )
+    svc = RouterService(cfg, tracer=DecisionTracer(provider.get_tracer("test")))
+    port = await svc.start()
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
+    svc.stub = epg.ExternalProcessorStub(channel)
+    svc.exporter = exporter
+    yield svc
+    await channel.close()
+    await svc.stop(0)
+
+
+def chat(text: str) -> bytes:
+    return orjson.dumps({"model": "m", "messages": [{"role": "user", "content": text}]})
+
+
+def only_span(exporter):
+    spans = exporter.get_finished_spans()
+    assert len(spans) == 1
+    exporter.clear()
+    return spans[0]
+
+
+async def test_routed_span_is_a_child_of_traceparent_and_is_injected_upstream(traced):
+    responses = await exchange(
+        traced.stub, [headers_msg(extra=[("traceparent", TRACEPARENT)]), body_msg(chat("hi " * 50))]
+    )
+    span = only_span(traced.exporter)
+    assert span.name == SPAN_NAME
+    assert f"{span.context.trace_id:032x}" == TRACE_ID
+    assert f"{span.parent.span_id:016x}" == PARENT_ID
+    attrs = span.attributes
+    assert attrs["prefix_router.rule"] == "cold_start_hash"
+    assert attrs["prefix_router.outcome"] == "routed"
+    assert attrs["prefix_router.model"] == "m" and attrs["prefix_router.api"] == "chat"
+    assert attrs["prefix_router.prompt_blocks"] > 0 and attrs["prefix_router.matched_blocks"] == 0
+    assert attrs["prefix_router.endpoint"] in ENDPOINTS.split(",")
+    assert attrs["prefix_router.decision_ms"] >= 0
+    assert 1 <= len([e for e in span.events if e.name == "candidate"]) <= TOP_K
+    injected = {
+        h.header.key: h.header.raw_value.decode()
+        for h in responses[1].request_body.response.header_mutation.set_headers
+    }
+    assert injected["traceparent"] == f"00-{TRACE_ID}-{span.context.span_id:016x}-01"
+
+
+async def test_affinity_and_load_guard_rules_are_recorded(traced):
+    body = chat("shared prefix " * 60)
+    await exchange(traced.stub, [headers_msg(), body_msg(body)])
+    first = only_span(traced.exporter)
+    await exchange(traced.stub, [headers_msg(), body_msg(body)])
+    second = only_span(traced.exporter)
+    assert second.attributes["prefix_router.rule"] == "prefix_affinity"
+    assert second.attributes["prefix_router.endpoint"] == first.attributes["prefix_router.endpoint"]
+    assert (
+        second.attributes["prefix_router.matched_blocks"]
+        == second.attributes["prefix_router.prompt_blocks"]
+    )
+    # Hold two streams open on the home endpoint: the guard (slack 1, eps 0) moves the third.
+    calls = []
+    for _ in range(2):
+        call = traced.stub.Process()
+        await call.write(headers_msg())
+        await call.read()
+        await call.write(body_msg(body))
+        await call.read()
+        calls.append(call)
+    assert list(traced.exporter.get_finished_spans()) == []  # both still open
+    await exchange(traced.stub, [headers_msg(), body_msg(body)])
+    third = only_span(traced.exporter)
+    assert third.attributes["prefix_router.rule"] == "load_guard"
+    assert third.attributes["prefix_router.endpoint"] != first.attributes["prefix_router.endpoint"]
+    for call in calls:
+        await call.done_writing()
+        while await call.read() != grpc.aio.EOF:
+            pass
+
+
+async def test_pass_through_and_no_endpoint_spans(traced):
+    await exchange(traced.stub, [headers_msg(method="GET", path="/v1/models", eos=True)])
+    span = only_span(traced.exporter)
+    assert span.attributes["prefix_router.rule"] == "pass_through"
+    assert span.attributes["prefix_router.reason"] == "method"
+    assert span.status.status_code == StatusCode.UNSET
+
+    for address in ENDPOINTS.split(","):
+        traced.router.set_health(address, False)
+    await exchange(traced.stub, [headers_msg(), body_msg(chat("nobody " * 30))])
+    span = only_span(traced.exporter)
+    assert span.attributes["prefix_router.outcome"] == "no_endpoint"
+    assert span.status.status_code == StatusCode.ERROR
+
+
+def test_exporter_selection_from_standard_variables():
+    assert tracer_from_env({}) is None
+    assert tracer_from_env({"OTEL_TRACES_EXPORTER": "none"}) is None
+    assert tracer_from_env({"OTEL_TRACES_EXPORTER": "console"}) is not None
+    assert tracer_from_env({"OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:4317"}) is not None
+    with pytest.raises(ValueError, match="OTEL_TRACES_EXPORTER"):
+        tracer_from_env({"OTEL_TRACES_EXPORTER": "zipkin"})
