@@ -83,6 +83,8 @@ class EnvoyOptions:
     health_check_path: str = "/health"
     health_check_interval: float = 5.0
     access_log: bool = False
+    # OpenTelemetry collector (OTLP/gRPC, ip:port) for Envoy's own request spans; "" = off.
+    otlp_tracing: str = ""
 
 
 # --------------------------------------------------------------------------- validation
@@ -163,6 +165,8 @@ def validate(options: EnvoyOptions) -> list[tuple[str, int]]:
         raise EnvoyConfigError("connect_timeout and health_check_interval must be > 0")
     if options.health_check_path and not options.health_check_path.startswith("/"):
         raise EnvoyConfigError("health_check_path must start with '/' (or be '' to disable)")
+    if options.otlp_tracing:
+        parse_address(options.otlp_tracing, "otlp_tracing")
     return endpoints
 
 
@@ -329,6 +333,7 @@ def _original_dst_cluster(options: EnvoyOptions) -> dict[str, Any]:
 
 
 EXT_PROC_HEALTH_SERVICE = "envoy.service.ext_proc.v3.ExternalProcessor"
+OTEL_CLUSTER = "otel_collector"
 
 
 def _router_cluster(options: EnvoyOptions) -> dict[str, Any]:
@@ -536,7 +541,47 @@ def _connection_manager(options: EnvoyOptions, endpoints: list[tuple[str, int]])
     }
     if options.access_log:
         manager["access_log"] = _access_log()
+    if options.otlp_tracing:
+        # Envoy's span per request, exported over OTLP; the router's decision span shares
+        # the trace through the traceparent header Envoy forwards to it.
+        manager["tracing"] = {
+            "random_sampling": {"value": 100},
+            "provider": {
+                "name": "envoy.tracers.opentelemetry",
+                "typed_config": _typed(
+                    "envoy.config.trace.v3.OpenTelemetryConfig",
+                    grpc_service={
+                        "envoy_grpc": {"cluster_name": OTEL_CLUSTER},
+                        "timeout": "1s",
+                    },
+                    service_name="envoy",
+                ),
+            },
+        }
     return manager
+
+
+def _otel_cluster(options: EnvoyOptions) -> dict[str, Any]:
+    return {
+        "name": OTEL_CLUSTER,
+        "type": "STATIC",
+        "connect_timeout": "1s",
+        "typed_extension_protocol_options": _http2_protocol_options(),
+        "load_assignment": {
+            "cluster_name": OTEL_CLUSTER,
+            "endpoints": [
+                {
+                    "lb_endpoints": [
+                        {
+                            "endpoint": {
+                                "address": _socket_address(options.otlp_tracing, "otlp_tracing")
+                            }
+                        }
+                    ]
+                }
+            ],
+        },
+    }
 
 
 def render(options: EnvoyOptions) -> dict[str, Any]:
@@ -547,6 +592,8 @@ def render(options: EnvoyOptions) -> dict[str, Any]:
         clusters.append(_original_dst_cluster(options))
     if options.mode != "round-robin":
         clusters.append(_router_cluster(options))
+    if options.otlp_tracing:
+        clusters.append(_otel_cluster(options))
     listener = {
         "name": "llm",
         "address": _socket_address(options.listen, "listen"),
@@ -657,6 +704,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=d.health_check_interval,
     )
     parser.add_argument("--access-log", dest="access_log", action="store_true")
+    parser.add_argument(
+        "--otlp-tracing",
+        dest="otlp_tracing",
+        default=d.otlp_tracing,
+        metavar="IP:PORT",
+        help="export Envoy's request spans to this OTLP/gRPC collector",
+    )
     parser.add_argument("--output", "-o", default="-", help="file to write ('-' = stdout)")
 
 

@@ -82,6 +82,7 @@ class _Exchange:
     size: int = 0
     subset: frozenset[str] | None = None
     span: Any = None
+    call_metadata: dict[str, str] | None = None
     outcome: Outcome = field(default_factory=lambda: Outcome("pass_through", "no_body"))
 
 
@@ -207,6 +208,10 @@ class ExternalProcessorService(ext_grpc.ExternalProcessorServicer):
         context: grpc.aio.ServicerContext,
     ) -> AsyncIterator[ext_pb.ProcessingResponse]:
         ex = _Exchange(full_duplex=self._full_duplex_default)
+        if self.tracer.tracer is not None:
+            ex.call_metadata = {
+                k: v for k, v in context.invocation_metadata() or () if isinstance(v, str)
+            }
         try:
             async for request in request_iterator:
                 for response in self._handle(ex, request):
@@ -244,7 +249,7 @@ class ExternalProcessorService(ext_grpc.ExternalProcessorServicer):
             ex.full_duplex = request.protocol_config.request_body_mode == FULL_DUPLEX
         headers = _header_map(request.request_headers)
         ex.outcome.headers = headers
-        ex.span = self.tracer.start(headers)
+        ex.span = self.tracer.start(headers, ex.call_metadata)
         api = api_for_path(headers.get(":path", ""))
         method = headers.get(":method", "")
         ex.subset = _subset_hint(request)

@@ -1,6 +1,7 @@
 """OpenTelemetry traces of routing decisions, configured only by the standard OTEL_* variables.
 
-One span per request the processor sees, a child of the request's W3C ``traceparent``. The
+One span per request the processor sees, a child of the request's W3C ``traceparent`` (or of
+Envoy's ext_proc call span when Envoy itself traces: its context comes as gRPC metadata). The
 span covers the router's part of the request (headers in → stream closed) and carries the
 decision: model, API, prompt size, chosen endpoint and fallbacks, matched blocks, the rule,
 the top candidates (as at most TOP_K span events: bounded cardinality), the decision latency
@@ -87,10 +88,15 @@ class DecisionTracer:
     def __init__(self, tracer: trace.Tracer | None) -> None:
         self.tracer = tracer
 
-    def start(self, headers: Mapping[str, str]) -> trace.Span | None:
+    def start(
+        self, headers: Mapping[str, str], call_metadata: Mapping[str, str] | None = None
+    ) -> trace.Span | None:
+        """Parent: Envoy's ext_proc call span when Envoy traces (its context arrives in the
+        gRPC call metadata), else the client's ``traceparent`` request header."""
         if self.tracer is None:
             return None
-        parent = _PROPAGATOR.extract(headers)
+        carrier = call_metadata if call_metadata and "traceparent" in call_metadata else headers
+        parent = _PROPAGATOR.extract(carrier)
         return self.tracer.start_span(SPAN_NAME, context=parent, kind=SpanKind.SERVER)
 
     @staticmethod

@@ -162,3 +162,49 @@ def test_metrics_and_decisions_after_traffic_through_envoy(tmp_path, workers):
         assert len(decisions) == 5
         assert {"rule", "endpoint", "candidates", "matched_blocks"} <= set(decisions[0]["decision"])
         routed.router.stop()
+
+
+def test_router_span_is_a_child_of_envoys_ext_proc_call_when_envoy_traces():
+    receiver = Receiver()
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    trace_service_pb2_grpc.add_TraceServiceServicer_to_server(receiver, server)
+    port = server.add_insecure_port(f"{LOOPBACK}:0")
+    server.start()
+    env = {
+        "OTEL_TRACES_EXPORTER": "otlp",
+        "OTEL_EXPORTER_OTLP_ENDPOINT": f"http://{LOOPBACK}:{port}",
+        "OTEL_EXPORTER_OTLP_INSECURE": "true",
+        "OTEL_BSP_SCHEDULE_DELAY": "100",
+    }
+    from extproc import envoyconf
+
+    from .conftest import request
+
+    try:
+        with Stack() as stack:
+            members = stack.start_replicas(2, FAST)
+            router, _ = stack.start_router(members, env=env)
+            envoy_port = free_port()
+            stack.start_envoy(
+                envoyconf.EnvoyOptions(
+                    endpoints=members,
+                    listen=f"{LOOPBACK}:{envoy_port}",
+                    admin=f"{LOOPBACK}:{free_port()}",
+                    router=router,
+                    otlp_tracing=f"{LOOPBACK}:{port}",
+                )
+            )
+            assert request(envoy_port, chat_body("envoy traces this " * 20)).status == 200
+            deadline = time.monotonic() + 20  # Envoy flushes its spans every 5 s
+            while time.monotonic() < deadline:
+                names = {span.name for _, span in receiver.spans()}
+                if "prefix_router.route" in names and any("ext_proc" in n for n in names):
+                    break
+                time.sleep(0.2)
+    finally:
+        server.stop(0)
+    spans = list(receiver.spans())
+    ours = next(span for _, span in spans if span.name == "prefix_router.route")
+    call = next(span for _, span in spans if "ExternalProcessor" in span.name)
+    assert ours.trace_id == call.trace_id
+    assert ours.parent_span_id == call.span_id
