@@ -61,6 +61,7 @@ def tracer_from_env(environ: Mapping[str, str] | None = None) -> trace.Tracer | 
     provider = TracerProvider(resource=resource)
     for name in names:
         if name == "otlp":
+            _check_otlp_protos()
             protocol = environ.get(
                 "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL",
                 environ.get("OTEL_EXPORTER_OTLP_PROTOCOL", "grpc"),
@@ -80,6 +81,18 @@ def tracer_from_env(environ: Mapping[str, str] | None = None) -> trace.Tracer | 
             raise ValueError(f"OTEL_TRACES_EXPORTER: unsupported exporter {name!r}")
     log.info("tracing on: exporters %s", ",".join(names))
     return provider.get_tracer("prefix-router")
+
+
+def _check_otlp_protos() -> None:
+    """xds-protos ships an old copy of opentelemetry/proto/*; if it was installed after
+    opentelemetry-proto it replaced that package's files and the OTLP exporter cannot load."""
+    from opentelemetry.proto.common.v1 import common_pb2
+
+    if not hasattr(common_pb2, "InstrumentationScope"):
+        raise RuntimeError(
+            "OTLP exporter unavailable: xds-protos overwrote opentelemetry-proto's files; run "
+            "pip install --no-deps --force-reinstall opentelemetry-proto (scripts/setup does)"
+        )
 
 
 class DecisionTracer:

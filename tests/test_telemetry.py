@@ -15,7 +15,7 @@ from extproc.config import load_config
 from extproc.serve import RouterService
 from extproc.telemetry import SPAN_NAME, TOP_K, DecisionTracer, tracer_from_env
 
-from .test_server import ENDPOINTS, body_msg, exchange, headers_msg
+from .test_server import ENDPOINTS, body_msg, destination, exchange, headers_msg
 
 TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
 PARENT_ID = "00f067aa0ba902b7"
@@ -95,24 +95,26 @@ async def test_affinity_and_load_guard_rules_are_recorded(traced):
         second.attributes["prefix_router.matched_blocks"]
         == second.attributes["prefix_router.prompt_blocks"]
     )
-    # Hold two streams open on the home endpoint: the guard (slack 1, eps 0) moves the third.
-    calls = []
-    for _ in range(2):
+    # Hold streams open on the same prefix: the guard (slack 1, eps 0) moves some elsewhere.
+    home = first.attributes["prefix_router.endpoint"]
+    calls, primaries = [], []
+    for _ in range(4):
         call = traced.stub.Process()
         await call.write(headers_msg())
         await call.read()
         await call.write(body_msg(body))
-        await call.read()
+        primaries.append(destination(await call.read())[0].split(",")[0])
         calls.append(call)
-    assert list(traced.exporter.get_finished_spans()) == []  # both still open
-    await exchange(traced.stub, [headers_msg(), body_msg(body)])
-    third = only_span(traced.exporter)
-    assert third.attributes["prefix_router.rule"] == "load_guard"
-    assert third.attributes["prefix_router.endpoint"] != first.attributes["prefix_router.endpoint"]
+    assert list(traced.exporter.get_finished_spans()) == []  # all still open
     for call in calls:
         await call.done_writing()
         while await call.read() != grpc.aio.EOF:
             pass
+    spans = traced.exporter.get_finished_spans()
+    guarded = [s for s in spans if s.attributes["prefix_router.rule"] == "load_guard"]
+    assert guarded and all(s.attributes["prefix_router.endpoint"] != home for s in guarded)
+    assert {s.attributes["prefix_router.endpoint"] for s in spans} == set(primaries)
+    assert home in primaries and len(set(primaries)) > 1
 
 
 async def test_pass_through_and_no_endpoint_spans(traced):
