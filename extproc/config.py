@@ -136,16 +136,19 @@ class RoutingConfig(_Strict):
     default_capacity_tokens: int = Field(
         default=500_000, gt=0, description="index size for endpoints without capacity_tokens"
     )
-    prefix_weight: float = Field(default=1.0, ge=0)
-    load_weight: float = Field(default=0.5, ge=0)
+    # Weights of the old score (matched fraction - load / cap). The scheduler now compares
+    # estimated costs in token-equivalents (scheduler.CostModel); kept so configs still load.
+    prefix_weight: float = Field(default=1.0, ge=0, description="unused (kept for old configs)")
+    load_weight: float = Field(default=0.5, ge=0, description="unused (kept for old configs)")
+    # eps 1 and slack 8 (were 0.5 and 4): the in-flight count is now the secondary signal;
+    # queued prefill work (scheduler.CostModel) keeps the tails short. In the simulator
+    # (docs/benchmarks.md) the tighter count guard moved requests off their prefix, costing
+    # up to 3 points of hit ratio at K=1 and 7 at K=4 on the GAIE shape.
     load_epsilon: float = Field(
-        default=0.5, ge=0, description="bounded-load guard: cap = (1+eps) x mean load"
+        default=1.0, ge=0, description="bounded-load guard: cap = (1+eps) x mean load"
     )
-    # 4, not 2: in the simulator (docs/benchmarks.md) a slack of 2 broke session stickiness
-    # at low concurrency, and with K router replicas (each seeing 1/K of the load) it scattered
-    # prefixes; 4 gains 2-6 points of hit ratio; larger slack lengthens the tail on Mooncake.
     load_slack: int = Field(
-        default=4, ge=1, description="in-flight requests any endpoint may take above the mean"
+        default=8, ge=1, description="in-flight requests any endpoint may take above the mean"
     )
     min_match_blocks: int = Field(default=1, ge=1)
     cold_start_key: Literal["first_turn", "blocks"] = "first_turn"
@@ -274,6 +277,44 @@ class SignalsConfig(_Strict):
     timeout_seconds: float = Field(default=1.0, gt=0, description="scrape timeout")
 
 
+class TLSConfig(_Strict):
+    """TLS (and mTLS) on the gRPC port Envoy connects to; off while cert_file is unset.
+
+    The files are PEM. They are re-read when their modification time changes (checked at
+    most every `reload_seconds`, on the next new connection), so a rotated certificate is
+    served without a restart; connections already open keep the certificate they began with.
+    With `client_ca_file` every client must present a certificate signed by that CA (mTLS).
+    The admin HTTP port is not covered: keep it on loopback or a private interface.
+    """
+
+    cert_file: str | None = Field(
+        default=None, description="server certificate chain (PEM); set to serve TLS"
+    )
+    key_file: str | None = Field(default=None, description="private key of cert_file (PEM)")
+    client_ca_file: str | None = Field(
+        default=None, description="CA bundle (PEM) that client certificates must chain to (mTLS)"
+    )
+    reload_seconds: float = Field(
+        default=10.0, gt=0, description="how often the files are checked for a new version"
+    )
+
+    @property
+    def enabled(self) -> bool:
+        return self.cert_file is not None
+
+    @model_validator(mode="after")
+    def _complete(self) -> TLSConfig:
+        if (self.cert_file is None) != (self.key_file is None):
+            raise ValueError("cert_file and key_file: set both (or neither)")
+        if self.client_ca_file is not None and self.cert_file is None:
+            raise ValueError("client_ca_file: mTLS needs cert_file and key_file as well")
+        for name in ("cert_file", "key_file", "client_ca_file"):
+            value = getattr(self, name)
+            if value is not None and not value.strip():
+                raise ValueError(f"{name}: must be a file path")
+        return self
+
+
 class Config(_Strict):
     server: ServerConfig = ServerConfig()
     routing: RoutingConfig = RoutingConfig()
@@ -281,6 +322,7 @@ class Config(_Strict):
     signals: SignalsConfig = SignalsConfig()
     endpoints: tuple[EndpointConfig, ...] = ()
     discovery: DiscoveryConfig = DiscoveryConfig()
+    tls: TLSConfig = TLSConfig()
 
     @field_validator("endpoints", mode="before")
     @classmethod

@@ -2,20 +2,30 @@
 
 No gRPC or Envoy here: the ext_proc server and the simulator drive this same object.
 A request is in flight on its endpoint from ``route`` until ``finish``; the server calls
-``finish`` when Envoy's processing stream for that request ends.
+``finish`` when Envoy's processing stream for that request ends. Besides the count, each
+endpoint carries the estimated prefill work of what was sent to it (scheduler.CostModel),
+drained at the configured throughput and taken back at ``finish``.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from .config import EndpointConfig, RoutingConfig
 from .hashing import block_hashes, placement_key, root_hash, session_blocks
 from .index import IndexStats, PrefixIndex
 from .prompt import LLMRequest
-from .scheduler import RULE_NO_ENDPOINT, Decision, EndpointView, Scheduler, address_hash
+from .scheduler import (
+    RULE_NO_ENDPOINT,
+    CostModel,
+    Decision,
+    EndpointView,
+    Scheduler,
+    address_hash,
+)
 
 log = logging.getLogger(__name__)
 
@@ -28,12 +38,23 @@ class EndpointState:
     address_hash: int
     in_flight: int = 0
     healthy: bool = True
+    # Estimated prefill work queued here (token-equivalents) as of ``work_at`` (clock time).
+    work: float = 0.0
+    work_at: float = 0.0
 
 
 class Router:
-    def __init__(self, config: RoutingConfig, endpoints: Sequence[EndpointConfig] = ()) -> None:
+    def __init__(
+        self,
+        config: RoutingConfig,
+        endpoints: Sequence[EndpointConfig] = (),
+        cost: CostModel | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.config = config
-        self.scheduler = Scheduler(config)
+        self.cost = cost or CostModel()
+        self.clock = clock
+        self.scheduler = Scheduler(config, self.cost)
         self.index = PrefixIndex()
         self._endpoints: dict[str, EndpointState] = {}
         self.set_endpoints(endpoints)
@@ -80,8 +101,40 @@ class Router:
     def in_flight(self) -> dict[str, int]:
         return {a: s.in_flight for a, s in self._endpoints.items()}
 
+    def queued_work(self) -> dict[str, float]:
+        """Estimated prefill work queued per endpoint now (token-equivalents)."""
+        now = self.clock()
+        return {a: self._drain(s, now) for a, s in self._endpoints.items()}
+
     def index_stats(self) -> IndexStats:
         return self.index.stats()
+
+    def _drain(self, state: EndpointState, now: float) -> float:
+        rate = self.cost.drain_per_second
+        if rate > 0 and state.work > 0:
+            state.work = max(0.0, state.work - rate * max(0.0, now - state.work_at))
+        if state.in_flight == 0:
+            state.work = 0.0
+        state.work_at = now
+        return state.work
+
+    def _charge(self, state: EndpointState, decision: Decision, now: float) -> None:
+        decision.queued_before = self._drain(state, now)
+        decision.charged_at = now
+        state.work += decision.work
+        state.in_flight += 1
+
+    def _uncharge(self, state: EndpointState, decision: Decision, now: float) -> None:
+        """Take back what is left of the request's charge (FIFO: work queued before it
+        drains first)."""
+        self._drain(state, now)
+        drained = self.cost.drain_per_second * max(0.0, now - decision.charged_at)
+        left = min(decision.work, max(0.0, decision.work + decision.queued_before - drained))
+        state.work = max(0.0, state.work - left)
+        if state.in_flight > 0:
+            state.in_flight -= 1
+        if state.in_flight == 0:
+            state.work = 0.0
 
     # -- decisions ----------------------------------------------------------------------
     def route(self, request: LLMRequest, allowed: frozenset[str] | None = None) -> Decision:
@@ -92,8 +145,11 @@ class Router:
         key = placement_key(
             request, hashes, root, cfg.block_size_bytes, cfg.cold_start_key, cfg.cold_start_blocks
         )
+        now = self.clock()
         views = [
-            EndpointView(s.address, float(s.in_flight), s.weight, s.address_hash)
+            EndpointView(
+                s.address, float(s.in_flight), s.weight, s.address_hash, self._drain(s, now)
+            )
             for s in self._endpoints.values()
             if s.healthy and (allowed is None or s.address in allowed)
         ]
@@ -101,19 +157,27 @@ class Router:
         session = session_blocks(
             request, hashes, cfg.block_size_bytes, cfg.cold_start_key, cfg.cold_start_blocks
         )
-        decision = self.scheduler.pick(views, matches, len(hashes), key, session)
+        decision = self.scheduler.pick(
+            views,
+            matches,
+            len(hashes),
+            key,
+            session,
+            prompt_tokens=len(request.prompt) / cfg.bytes_per_token,
+            block_tokens=cfg.block_size_bytes / cfg.bytes_per_token,
+        )
         decision.hashes = hashes
         if decision.endpoint is not None:
             self.index.record(decision.endpoint, hashes)
-            self._endpoints[decision.endpoint].in_flight += 1
+            self._charge(self._endpoints[decision.endpoint], decision, now)
         return decision
 
     def finish(self, decision: Decision) -> None:
         if decision.rule == RULE_NO_ENDPOINT or decision.endpoint is None:
             return
         state = self._endpoints.get(decision.served or decision.endpoint)
-        if state is not None and state.in_flight > 0:
-            state.in_flight -= 1
+        if state is not None:
+            self._uncharge(state, decision, self.clock())
 
     def served(self, decision: Decision, served_address: str) -> bool:
         """Envoy reports where the request really went; move the load and learn the blocks.
@@ -125,6 +189,6 @@ class Router:
             return False
         self.finish(decision)
         decision.served = served_address
-        self._endpoints[served_address].in_flight += 1
+        self._charge(self._endpoints[served_address], decision, self.clock())
         self.index.record(served_address, decision.hashes)
         return True

@@ -147,3 +147,101 @@ def test_set_endpoints_keeps_survivors_and_drops_removed():
     assert d.endpoint not in router.endpoints
     router.finish(d)  # finishing a removed endpoint's request is harmless
     assert router.route(chat("keep " * 30)).endpoint in router.endpoints
+
+
+class Clock:
+    """A hand-driven clock for the router's queued-work drain."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def completion(text: str):
+    return parse_request("completions", orjson.dumps({"model": "m", "prompt": text}))
+
+
+BIG = "a long document nobody else shares. " * 6000  # ~54k tokens at 4 bytes/token
+
+
+def test_new_sessions_avoid_an_endpoint_busy_with_a_long_prefill():
+    # Request counts alone cannot see it: every endpoint but one is idle and the busy one
+    # has a single request in flight, well under the count guard.
+    router = Router(RoutingConfig(), ENDPOINTS, clock=Clock())
+    big = router.route(completion(BIG))
+    assert router.queued_work()[big.endpoint] == big.work > 100_000
+    placed = []
+    for i in range(40):
+        d = router.route(chat("tell me more", system=f"conversation {i}: topic {i * 7919} " * 8))
+        placed.append(d.endpoint)
+        router.finish(d)
+    assert big.endpoint not in placed
+    assert len(set(placed)) == 3
+    router.finish(big)
+    assert router.queued_work()[big.endpoint] == 0
+    again = []
+    for i in range(40, 80):
+        d = router.route(chat("tell me more", system=f"conversation {i}: topic {i * 7919} " * 8))
+        again.append(d.endpoint)
+        router.finish(d)
+    assert big.endpoint in again  # its share of new sessions comes back once it is idle
+
+
+def test_a_session_leaves_its_holder_only_when_the_queue_costs_more_than_the_hit_saves():
+    clock = Clock()
+    router = Router(RoutingConfig(), ENDPOINTS, clock=clock)
+    turn1 = chat("explain rendezvous hashing " * 600)  # ~4k tokens: a hit saves a lot
+    first = router.route(turn1)
+    router.finish(first)
+    turn2 = chat("explain rendezvous hashing " * 600, "sure: ...", "and with weights?")
+    # A short queue on the holder: staying is cheaper than a cold prefill elsewhere.
+    small = router.route(completion("short job " * 40), allowed=frozenset({first.endpoint}))
+    stay = router.route(turn2)
+    assert stay.rule == RULE_AFFINITY and stay.endpoint == first.endpoint
+    router.finish(stay)
+    router.finish(small)
+    # A long prefill queued on the holder: moving wins, and the decision says why.
+    big = router.route(completion(BIG), allowed=frozenset({first.endpoint}))
+    moved = router.route(turn2)
+    assert moved.rule == RULE_LOAD_GUARD and moved.endpoint != first.endpoint
+    costs = {c["endpoint"]: c for c in moved.explain()["candidates"]}
+    assert costs[first.endpoint]["queued_work"] == round(big.work)
+    assert costs[moved.endpoint]["est_cost"] < costs[first.endpoint]["est_cost"]
+    router.finish(moved)
+    # The queued work drains at the prefill throughput: once it is done, the session is
+    # back on its holder even though the long request is still in flight (decoding).
+    clock.now += big.work / router.cost.drain_per_second
+    assert router.queued_work()[first.endpoint] == 0 and router.in_flight()[first.endpoint] == 1
+    back = router.route(turn2)
+    assert back.rule == RULE_AFFINITY and back.endpoint == first.endpoint
+
+
+def test_queued_work_follows_the_served_endpoint_and_is_taken_back_at_finish():
+    clock = Clock()
+    router = Router(RoutingConfig(), ENDPOINTS, clock=clock)
+    decision = router.route(completion(BIG))
+    assert decision.explain()["work"] == round(decision.work)
+    assert decision.explain()["prompt_tokens"] == round(len(BIG) / 4)
+    actual = next(e.address for e in ENDPOINTS if e.address != decision.endpoint)
+    assert router.served(decision, actual)
+    work = router.queued_work()
+    assert work[decision.endpoint] == 0 and work[actual] == decision.work
+    clock.now += 1.0
+    assert router.queued_work()[actual] == decision.work - router.cost.drain_per_second
+    router.finish(decision)
+    assert set(router.queued_work().values()) == {0}
+
+
+def test_a_shared_system_prompt_does_not_pull_new_sessions_onto_its_holder():
+    # The preamble makes a new session cheaper to prefill where it is cached; following that
+    # would put every conversation on the first endpoint that saw the system prompt.
+    router = Router(RoutingConfig(), ENDPOINTS, clock=Clock())
+    placed = []
+    for i in range(40):
+        d = router.route(chat(f"question number {i}. " * 8, system=SYSTEM * 40))  # 11k tokens
+        assert d.rule == RULE_COLD_START
+        placed.append(d.endpoint)
+        router.finish(d)
+    assert len(set(placed)) == 4

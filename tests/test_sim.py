@@ -149,3 +149,30 @@ def test_cli_simulate_end_to_end(tmp_path, capsys) -> None:
     assert set(doc["sweep_k"]["ours"]) == {"1", "2"}
     assert png.stat().st_size > 10_000
     assert "ideal hit ratio" in capsys.readouterr().out
+
+
+def test_ours_runs_on_simulated_time() -> None:
+    # The router's queued prefill work drains by the simulation clock, not the wall clock.
+    import random
+
+    from extproc.sim.policies import PolicyContext, make_policy
+
+    ctx = PolicyContext(
+        replicas=[Replica(i, 100_000, CostModel()) for i in range(2)],
+        rng=random.Random(0),
+        capacity_tokens=100_000,
+    )
+    group = make_policy("ours", ctx, 1, 16)
+    router = group.instances[0].router
+    _, handle = group.route(_request(0, tuple(range(1, 400))), 0.0)
+    address = handle[1].endpoint
+    charged = router.queued_work()[address]
+    assert charged == handle[1].work > 6_000
+    ctx.now = 0.05
+    assert router.queued_work()[address] == pytest.approx(
+        charged - 0.05 * router.cost.drain_per_second
+    )
+    ctx.now = 10.0
+    assert router.queued_work()[address] == 0 and router.in_flight()[address] == 1
+    group.finish(handle)
+    assert router.in_flight()[address] == 0

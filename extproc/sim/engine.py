@@ -12,6 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from ..config import RoutingConfig
+from ..scheduler import CostModel as RouterCostModel
 from .policies import PolicyContext, make_policy
 from .replica import CostModel, Replica
 from .workloads import SimRequest, Workload
@@ -27,6 +28,7 @@ class SimParams:
     seed: int = 0
     cost: CostModel = field(default_factory=CostModel)
     routing: RoutingConfig = field(default_factory=RoutingConfig)
+    router_cost: RouterCostModel | None = None
 
 
 @dataclass(slots=True)
@@ -64,6 +66,7 @@ def simulate(
         capacity_tokens=params.capacity_tokens,
         routing=params.routing,
         kv_block_tokens=params.cost.kv_block_tokens,
+        router_cost=params.router_cost,
     )
     chunk_tokens = requests[0].chunk_tokens if requests else 16
     router = make_policy(policy, ctx, params.router_replicas, chunk_tokens)
@@ -91,6 +94,7 @@ def simulate(
     arrived, now = 0, 0.0
     while heap:
         now, _, kind, request = heapq.heappop(heap)
+        ctx.now = now / 1000.0
         if kind == ARRIVAL:
             index, handle = router.route(request, now / 1000.0)
             handles[request.rid] = handle

@@ -25,6 +25,7 @@ from xxhash import xxh3_64_intdigest
 from ..config import EndpointConfig, RoutingConfig
 from ..prompt import LLMRequest
 from ..router import Router
+from ..scheduler import CostModel as RouterCostModel
 from .cache import ChunkLRU
 from .replica import Replica, cache_units
 from .workloads import SimRequest
@@ -45,6 +46,10 @@ class PolicyContext:
     capacity_tokens: int
     routing: RoutingConfig = field(default_factory=RoutingConfig)
     kv_block_tokens: int = 16
+    # The router's own cost estimate (extproc.scheduler.CostModel; None = its defaults).
+    router_cost: RouterCostModel | None = None
+    # Simulated time in seconds, kept current by the engine: the clock ``ours`` runs on.
+    now: float = 0.0
 
     @property
     def n(self) -> int:
@@ -355,6 +360,8 @@ class OursPolicy:
         self.router = Router(
             config,
             [EndpointConfig(address=a, capacity_tokens=ctx.capacity_tokens) for a in addresses],
+            cost=ctx.router_cost,
+            clock=lambda: ctx.now,
         )
         self.rules: dict[str, int] = {}
 

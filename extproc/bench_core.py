@@ -1,0 +1,110 @@
+"""`prefix-router bench core`: the routing core alone, per body size and endpoint count.
+
+One decision = parse + canonicalise + hash + index lookup + schedule + index update (and the
+finish that releases its in-flight count) — exactly what the servicer runs per request,
+without gRPC. Bodies are chat requests of multi-turn conversations (so the index has real
+matches), warmed up before timing. Prints a table; --json writes it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+from .config import EndpointConfig, RoutingConfig
+from .prompt import parse_request
+from .router import Router
+
+KIB = 1024
+
+
+def chat_bodies(size: int, count: int, conversations: int, seed: int = 1) -> list[bytes]:
+    """`count` bodies of about `size` bytes from `conversations` growing conversations."""
+    rng = random.Random(seed)
+    words = [f"w{i}" for i in range(2000)]
+    system = "You are a helpful assistant. " * 4
+    histories: list[list[dict[str, str]]] = [
+        [{"role": "system", "content": system}] for _ in range(conversations)
+    ]
+    bodies = []
+    for i in range(count):
+        history = histories[i % conversations]
+        used = sum(len(m["content"]) for m in history)
+        if used > size * 0.9:
+            del history[1:]
+            used = len(system)
+        chunk = max(64, min(size - used, size // 4))
+        history.append({"role": "user", "content": " ".join(rng.choices(words, k=chunk // 5))})
+        body = orjson.dumps({"model": "m", "messages": history})
+        bodies.append(body)
+        history.append({"role": "assistant", "content": "ok " * 20})
+    return bodies
+
+
+def measure(size: int, endpoints: int, requests: int) -> dict[str, Any]:
+    config = RoutingConfig()
+    router = Router(
+        config,
+        [EndpointConfig(address=f"10.{i // 250}.{i % 250}.1:8000") for i in range(endpoints)],
+    )
+    bodies = chat_bodies(size, requests * 2, conversations=max(4, endpoints))
+    for body in bodies[:requests]:  # warm-up: fill the index
+        router.finish(router.route(parse_request("chat", body)))
+    timings = []
+    gc.collect()
+    perf = time.perf_counter_ns
+    for body in bodies[requests:]:
+        started = perf()
+        decision = router.route(parse_request("chat", body))
+        router.finish(decision)
+        timings.append((perf() - started) / 1000)
+    timings.sort()
+    return {
+        "body_bytes": size,
+        "endpoints": endpoints,
+        "requests": len(timings),
+        "p50_us": round(statistics.median(timings), 1),
+        "p99_us": round(timings[int(0.99 * (len(timings) - 1))], 1),
+        "mean_us": round(statistics.fmean(timings), 1),
+        "index_bytes": router.index_stats().approx_bytes,
+    }
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--sizes", default="2,32,1024", help="body sizes in KiB")
+    parser.add_argument("--endpoints", default="4,64,512", help="endpoint counts")
+    parser.add_argument("--requests", type=int, default=2000, help="timed decisions per cell")
+    parser.add_argument("--short", action="store_true", help="CI mode: few requests")
+    parser.add_argument("--json", metavar="FILE")
+
+
+def run(args: argparse.Namespace) -> int:
+    sizes = [int(s) * KIB for s in args.sizes.split(",")]
+    counts = [int(c) for c in args.endpoints.split(",")]
+    requests = 50 if args.short else args.requests
+    rows = []
+    print(f"{'body':>8} {'endpoints':>9} {'p50 us':>9} {'p99 us':>9} {'mean us':>9}")
+    for size in sizes:
+        for count in counts:
+            # 1 MiB bodies: fewer requests, the cell would otherwise take minutes.
+            n = max(20, requests // 10) if size >= 512 * KIB else requests
+            row = measure(size, count, n)
+            rows.append(row)
+            print(
+                f"{size // KIB:>6}Ki {count:>9} {row['p50_us']:>9.1f} {row['p99_us']:>9.1f} "
+                f"{row['mean_us']:>9.1f}",
+                flush=True,
+            )
+    if args.json:
+        command = "prefix-router bench core " + " ".join(sys.argv[3:])
+        Path(args.json).write_text(json.dumps({"command": command, "rows": rows}, indent=2))
+    return 0
