@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
+import importlib
 import json
 import sys
 import time
@@ -21,6 +22,13 @@ from .sim.policies import ALL_POLICIES, BOUNDS, ideal_hit_tokens
 from .sim.replica import CostModel
 from .sim.report import plot, summarize, table
 from .sim.workloads import PRESETS, Workload, load_mooncake
+
+# Benchmarks in their own modules: name -> (module, help).
+OTHER_BENCHMARKS = {
+    "latency": ("extproc.latency", "what the router adds to one request through Envoy"),
+    "core": ("extproc.bench_core", "the routing core alone, per body size and endpoints"),
+    "overhead": ("extproc.bench_overhead", "throughput and latency through Envoy, with wrk"),
+}
 
 # Workload overrides: CLI flag → generator keyword (None = keep the preset's value).
 _WORKLOAD_FLAGS = {
@@ -42,6 +50,8 @@ _CHAT_ONLY = {"sessions", "turns", "think_s", "system_prompts"}
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="bench", required=True, metavar="BENCHMARK")
+    for name, (module_name, help_text) in OTHER_BENCHMARKS.items():
+        importlib.import_module(module_name).add_arguments(sub.add_parser(name, help=help_text))
     sim = sub.add_parser("simulate", help="replay a workload through routing policies")
     source = sim.add_mutually_exclusive_group(required=True)
     source.add_argument("--trace", help="Mooncake JSONL trace (timestamp, hash_ids, ...)")
@@ -116,8 +126,8 @@ def _policy_names(spec: str) -> list[str]:
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.bench != "simulate":
-        raise SystemExit(f"unknown benchmark {args.bench}")
+    if args.bench in OTHER_BENCHMARKS:
+        return importlib.import_module(OTHER_BENCHMARKS[args.bench][0]).run(args)
     return simulate_command(args)
 
 

@@ -130,29 +130,57 @@ class ServerConfig(_Strict):
 
 
 class RoutingConfig(_Strict):
-    block_size_bytes: int = Field(default=64, ge=8, le=65536)
+    block_size_bytes: int = Field(
+        default=64, ge=8, le=65536, description="prompt bytes per hashed block (~16 tokens)"
+    )
     max_blocks: int = Field(default=1024, ge=1, description="cap on blocks hashed per request")
     bytes_per_token: float = Field(default=4.0, gt=0, description="to convert tokens to bytes")
     default_capacity_tokens: int = Field(
         default=500_000, gt=0, description="index size for endpoints without capacity_tokens"
     )
-    # Weights of the old score (matched fraction - load / cap). The scheduler now compares
-    # estimated costs in token-equivalents (scheduler.CostModel); kept so configs still load.
-    prefix_weight: float = Field(default=1.0, ge=0, description="unused (kept for old configs)")
-    load_weight: float = Field(default=0.5, ge=0, description="unused (kept for old configs)")
-    # eps 1 and slack 8 (were 0.5 and 4): the in-flight count is now the secondary signal;
-    # queued prefill work (scheduler.CostModel) keeps the tails short. In the simulator
-    # (docs/benchmarks.md) the tighter count guard moved requests off their prefix, costing
-    # up to 3 points of hit ratio at K=1 and 7 at K=4 on the GAIE shape.
+    # eps 1 and slack 8: the in-flight count is the secondary signal; queued prefill work
+    # (below) keeps the tails short. In the simulator (docs/benchmarks.md) a tighter count
+    # guard moved requests off their prefix, costing up to 3 points of hit ratio at K=1 and
+    # 7 at K=4 on the GAIE shape.
     load_epsilon: float = Field(
         default=1.0, ge=0, description="bounded-load guard: cap = (1+eps) x mean load"
     )
     load_slack: int = Field(
         default=8, ge=1, description="in-flight requests any endpoint may take above the mean"
     )
-    min_match_blocks: int = Field(default=1, ge=1)
-    cold_start_key: Literal["first_turn", "blocks"] = "first_turn"
-    cold_start_blocks: int = Field(default=4, ge=1)
+    # The cost model (scheduler.CostModel), in token-equivalents: prefill of n prompt tokens
+    # with u uncached = base + u + context_factor * u * (n - u/2). Defaults: an 8B model on
+    # one H200 (36 ms + 0.01672 ms/token + attention, docs/benchmarks.md).
+    prefill_base_tokens: float = Field(
+        default=2150.0, ge=0, description="fixed cost of a prefill, in token-equivalents"
+    )
+    prefill_context_factor: float = Field(
+        default=1.26e-4, ge=0, description="attention term per uncached token per context token"
+    )
+    prefill_tokens_per_second: float = Field(
+        default=60_000.0,
+        ge=0,
+        description="prefill throughput of one endpoint: queued work drains at this rate "
+        "(0 = hold it until the request ends)",
+    )
+    stickiness: float = Field(
+        default=4.0, ge=0, description="extra cost per token an endpoint lacks vs the best holder"
+    )
+    cold_margin: float = Field(
+        default=0.5,
+        ge=0,
+        description="cold start: skip a hashed pick queued this many cold prefills past the least",
+    )
+    min_match_blocks: int = Field(
+        default=1, ge=1, description="fewest matched blocks that count as holding a prefix"
+    )
+    cold_start_key: Literal["first_turn", "blocks"] = Field(
+        default="first_turn",
+        description="session key: prompt up to the first user turn, or the first blocks",
+    )
+    cold_start_blocks: int = Field(
+        default=4, ge=1, description="blocks in the session key without turns (completions)"
+    )
     fallbacks: int = Field(default=2, ge=0, le=16, description="extra endpoints in the header")
 
 

@@ -52,7 +52,7 @@ class Router:
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.config = config
-        self.cost = cost or CostModel()
+        self.cost = cost or CostModel.from_config(config)
         self.clock = clock
         self.scheduler = Scheduler(config, self.cost)
         self.index = PrefixIndex()

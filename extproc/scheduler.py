@@ -93,6 +93,16 @@ class CostModel:
     # fraction of the request's own cold prefill.
     cold_margin: float = 0.5
 
+    @classmethod
+    def from_config(cls, config: RoutingConfig) -> CostModel:
+        return cls(
+            base_tokens=config.prefill_base_tokens,
+            ctx_factor=config.prefill_context_factor,
+            drain_per_second=config.prefill_tokens_per_second,
+            stickiness=config.stickiness,
+            cold_margin=config.cold_margin,
+        )
+
     def prefill(self, tokens: float, cached: float) -> float:
         """Estimated prefill of ``tokens`` prompt tokens with ``cached`` of them held."""
         new = max(1.0, tokens - cached)
@@ -169,7 +179,7 @@ def _rank_key(candidate: Candidate) -> tuple[bool, float, int]:
 class Scheduler:
     def __init__(self, config: RoutingConfig, cost: CostModel | None = None) -> None:
         self.config = config
-        self.cost = cost or CostModel()
+        self.cost = cost or CostModel.from_config(config)
 
     def pick(
         self,

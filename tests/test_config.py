@@ -19,11 +19,11 @@ def test_file_then_env_then_overrides(tmp_path):
         "server: {workers: 2, listen: '127.0.0.1:7000'}\n"
         "endpoints:\n  - {address: '127.0.0.1:8001', capacity_tokens: 1000}\n  - '127.0.0.1:8002'\n"
     )
-    env = {"PREFIX_ROUTER_SERVER__WORKERS": "3", "PREFIX_ROUTER_ROUTING__LOAD_WEIGHT": "0.1"}
+    env = {"PREFIX_ROUTER_SERVER__WORKERS": "3", "PREFIX_ROUTER_ROUTING__STICKINESS": "0.1"}
     cfg = load_config(path, {"server.listen": "127.0.0.1:7001"}, environ=env)
     assert cfg.server.workers == 3
     assert cfg.server.listen == "127.0.0.1:7001"
-    assert cfg.routing.load_weight == 0.1
+    assert cfg.routing.stickiness == 0.1
     assert [e.address for e in cfg.endpoints] == ["127.0.0.1:8001", "127.0.0.1:8002"]
     assert cfg.endpoints[0].capacity_tokens == 1000
 

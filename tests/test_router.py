@@ -245,3 +245,13 @@ def test_a_shared_system_prompt_does_not_pull_new_sessions_onto_its_holder():
         placed.append(d.endpoint)
         router.finish(d)
     assert len(set(placed)) == 4
+
+
+def test_cost_model_comes_from_the_routing_config():
+    from extproc.scheduler import CostModel
+
+    config = RoutingConfig(prefill_tokens_per_second=1000.0, stickiness=0.5, cold_margin=2.0)
+    router = Router(config, ENDPOINTS)
+    assert router.cost == CostModel.from_config(config)
+    assert router.cost.drain_per_second == 1000.0 and router.cost.stickiness == 0.5
+    assert CostModel.from_config(RoutingConfig()) == CostModel()  # defaults agree
