@@ -3,7 +3,7 @@
 Blocks of a request are touched last-to-first, so within a chain an earlier block is always
 at least as recent as a later one and the LRU evicts chains from their tail, as vLLM does.
 Each endpoint's set therefore stays prefix-closed: if it holds block i of a chain it holds
-blocks 0..i-1, and the longest consecutive match is found by binary search.
+blocks 0..i-1, and the longest consecutive match is found by a galloping search.
 """
 
 from __future__ import annotations
@@ -44,12 +44,23 @@ class EndpointBlocks:
         return block in self._blocks
 
     def matched_prefix(self, hashes: Sequence[int]) -> int:
-        """Length of the longest held prefix of ``hashes`` (binary search; prefix-closed)."""
+        """Length of the longest held prefix of ``hashes`` (prefix-closed, so a galloping
+        search: O(log m) lookups for a match of m blocks; most endpoints match only a
+        shared preamble of a few blocks)."""
         blocks = self._blocks
-        if not hashes or hashes[0] not in blocks:
+        count = len(hashes)
+        if not count or hashes[0] not in blocks:
             return 0
-        low, high = 1, len(hashes)  # invariant: hashes[:low] held; answer <= high
-        while low < high:
+        low, step = 1, 1  # invariant: hashes[:low] held
+        while low < count:
+            probe = min(low + step, count)
+            if hashes[probe - 1] not in blocks:
+                high = probe - 1  # answer < probe
+                break
+            low, step = probe, step * 2
+        else:
+            return count
+        while low < high:  # answer in [low, high]
             mid = (low + high + 1) // 2
             if hashes[mid - 1] in blocks:
                 low = mid

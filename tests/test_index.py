@@ -61,3 +61,19 @@ def test_set_endpoints_drops_removed_and_resizes():
     assert stats.endpoints == 1 and stats.entries == 4 and stats.capacity == 4
     assert index.match(list(range(10)), ["a"]) == {"a": 4}
     assert stats.approx_bytes > 0
+
+
+def test_galloping_search_agrees_with_a_linear_scan():
+    import random
+
+    rng = random.Random(3)
+    for _ in range(300):
+        chain = [rng.getrandbits(64) for _ in range(rng.randint(1, 80))]
+        blocks = EndpointBlocks(1000)
+        held = rng.randint(0, len(chain))
+        blocks.touch(chain[:held])
+        query = chain[: rng.randint(0, len(chain))] + [rng.getrandbits(64)] * rng.randint(0, 3)
+        expected = 0
+        while expected < len(query) and query[expected] in blocks:
+            expected += 1
+        assert blocks.matched_prefix(query) == expected
