@@ -7,64 +7,44 @@ itself. A probe failure is a refused or timed-out connection or a non-2xx answer
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import logging
 from collections.abc import Callable
 
 import aiohttp
 
 from .config import HealthCheckConfig
+from .poller import EndpointPoller
 
 log = logging.getLogger(__name__)
 
 
-class HealthChecker:
+class HealthChecker(EndpointPoller[bool]):
+    task_name = "endpoint-health"
+
     def __init__(
         self,
         config: HealthCheckConfig,
         addresses: Callable[[], list[str]],
         set_health: Callable[[str, bool], None],
     ) -> None:
+        super().__init__(addresses, config.interval_seconds, config.timeout_seconds)
         self.config = config
-        self._addresses = addresses
         self._set_health = set_health
         self._failures: dict[str, int] = {}
         self._successes: dict[str, int] = {}
-        self._task: asyncio.Task[None] | None = None
 
     def start(self) -> None:
-        if self.config.enabled and self._task is None:
-            self._task = asyncio.create_task(self._loop(), name="endpoint-health")
+        if self.config.enabled:
+            super().start()
 
-    async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
-
-    async def _loop(self) -> None:
-        timeout = aiohttp.ClientTimeout(total=self.config.timeout_seconds)
-        async with aiohttp.ClientSession(timeout=timeout) as session:
-            while True:
-                await self.probe_all(session)
-                await asyncio.sleep(self.config.interval_seconds)
-
-    async def probe_all(self, session: aiohttp.ClientSession) -> None:
-        addresses = self._addresses()
-        results = await asyncio.gather(*(self._probe(session, a) for a in addresses))
-        for address, ok in zip(addresses, results, strict=True):
-            self._record(address, ok)
-
-    async def _probe(self, session: aiohttp.ClientSession, address: str) -> bool:
+    async def poll(self, session: aiohttp.ClientSession, address: str) -> bool:
         try:
             async with session.get(f"http://{address}{self.config.path}") as response:
                 return 200 <= response.status < 300
         except (aiohttp.ClientError, TimeoutError, OSError):
             return False
 
-    def _record(self, address: str, ok: bool) -> None:
+    def record(self, address: str, ok: bool) -> None:
         if ok:
             self._failures[address] = 0
             self._successes[address] = self._successes.get(address, 0) + 1

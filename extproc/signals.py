@@ -9,7 +9,6 @@ signals down (metric + one log line per transition); routing never waits for a s
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import logging
 from collections.abc import Callable
@@ -17,6 +16,8 @@ from dataclasses import dataclass
 
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
+
+from .poller import EndpointPoller
 
 log = logging.getLogger(__name__)
 
@@ -68,7 +69,9 @@ def parse_metrics(text: str) -> EndpointSignals:
     return signals
 
 
-class MetricsScraper:
+class MetricsScraper(EndpointPoller[EndpointSignals]):
+    task_name = "endpoint-metrics"
+
     def __init__(
         self,
         addresses: Callable[[], list[str]],
@@ -77,40 +80,12 @@ class MetricsScraper:
         interval_seconds: float = 2.0,
         timeout_seconds: float = 1.0,
     ) -> None:
-        self._addresses = addresses
+        super().__init__(addresses, interval_seconds, timeout_seconds)
         self._on_update = on_update
         self.path = path
-        self.interval = interval_seconds
-        self.timeout = timeout_seconds
         self.latest: dict[str, EndpointSignals] = {}
-        self._task: asyncio.Task[None] | None = None
 
-    def start(self) -> None:
-        if self._task is None:
-            self._task = asyncio.create_task(self._loop(), name="endpoint-metrics")
-
-    async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
-
-    async def _loop(self) -> None:
-        async with aiohttp.ClientSession(
-            timeout=aiohttp.ClientTimeout(total=self.timeout)
-        ) as session:
-            while True:
-                await self.scrape_all(session)
-                await asyncio.sleep(self.interval)
-
-    async def scrape_all(self, session: aiohttp.ClientSession) -> None:
-        addresses = self._addresses()
-        results = await asyncio.gather(*(self._scrape(session, a) for a in addresses))
-        for address, signals in zip(addresses, results, strict=True):
-            self._merge(address, signals)
-
-    async def _scrape(self, session: aiohttp.ClientSession, address: str) -> EndpointSignals:
+    async def poll(self, session: aiohttp.ClientSession, address: str) -> EndpointSignals:
         try:
             async with session.get(f"http://{address}{self.path}") as response:
                 if response.status != 200:
@@ -119,7 +94,7 @@ class MetricsScraper:
         except (aiohttp.ClientError, TimeoutError, OSError, ValueError):
             return EndpointSignals(up=False)
 
-    def _merge(self, address: str, signals: EndpointSignals) -> None:
+    def record(self, address: str, signals: EndpointSignals) -> None:
         previous = self.latest.get(address)
         if previous is not None and previous.up != signals.up:
             log.warning(

@@ -62,47 +62,52 @@ def total(metrics, name, **labels) -> float:
     )
 
 
-def test_spans_arrive_over_otlp_grpc():
+@pytest.fixture
+def otlp_receiver():
+    """A minimal OTLP/gRPC TraceService on loopback, and the router env that exports to it."""
     receiver = Receiver()
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
     trace_service_pb2_grpc.add_TraceServiceServicer_to_server(receiver, server)
-    port = server.add_insecure_port(f"{LOOPBACK}:0")
-    server.start()
-    env = {
+    receiver.port = server.add_insecure_port(f"{LOOPBACK}:0")
+    receiver.env = {
         "OTEL_TRACES_EXPORTER": "otlp",
-        "OTEL_EXPORTER_OTLP_ENDPOINT": f"http://{LOOPBACK}:{port}",
+        "OTEL_EXPORTER_OTLP_ENDPOINT": f"http://{LOOPBACK}:{receiver.port}",
         "OTEL_EXPORTER_OTLP_INSECURE": "true",
         "OTEL_BSP_SCHEDULE_DELAY": "100",
         "OTEL_SERVICE_NAME": "router-under-test",
     }
-    try:
-        with Stack() as stack:
-            members = stack.start_replicas(2, FAST)
-            router, _ = stack.start_router(members, env=env)
-            envoy_port = free_port()
-            from extproc import envoyconf
+    server.start()
+    yield receiver
+    server.stop(0)
 
-            stack.start_envoy(
-                envoyconf.EnvoyOptions(
-                    endpoints=members,
-                    listen=f"{LOOPBACK}:{envoy_port}",
-                    admin=f"{LOOPBACK}:{free_port()}",
-                    router=router,
-                )
+
+def test_spans_arrive_over_otlp_grpc(otlp_receiver):
+    receiver, env = otlp_receiver, otlp_receiver.env
+    with Stack() as stack:
+        members = stack.start_replicas(2, FAST)
+        router, _ = stack.start_router(members, env=env)
+        envoy_port = free_port()
+        from extproc import envoyconf
+
+        stack.start_envoy(
+            envoyconf.EnvoyOptions(
+                endpoints=members,
+                listen=f"{LOOPBACK}:{envoy_port}",
+                admin=f"{LOOPBACK}:{free_port()}",
+                router=router,
             )
-            from .conftest import request
+        )
+        from .conftest import request
 
-            parent = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
-            for i in range(3):
-                response = request(
-                    envoy_port, chat_body(f"traced {i} " * 20), headers=[("traceparent", parent)]
-                )
-                assert response.status == 200
-            deadline = time.monotonic() + 15
-            while len(list(receiver.spans())) < 3 and time.monotonic() < deadline:
-                time.sleep(0.1)
-    finally:
-        server.stop(0)
+        parent = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
+        for i in range(3):
+            response = request(
+                envoy_port, chat_body(f"traced {i} " * 20), headers=[("traceparent", parent)]
+            )
+            assert response.status == 200
+        deadline = time.monotonic() + 15
+        while len(list(receiver.spans())) < 3 and time.monotonic() < deadline:
+            time.sleep(0.1)
     spans = [(res, span) for res, span in receiver.spans() if span.name == "prefix_router.route"]
     assert len(spans) >= 3
     resource, span = spans[0]
@@ -164,45 +169,32 @@ def test_metrics_and_decisions_after_traffic_through_envoy(tmp_path, workers):
         routed.router.stop()
 
 
-def test_router_span_is_a_child_of_envoys_ext_proc_call_when_envoy_traces():
-    receiver = Receiver()
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
-    trace_service_pb2_grpc.add_TraceServiceServicer_to_server(receiver, server)
-    port = server.add_insecure_port(f"{LOOPBACK}:0")
-    server.start()
-    env = {
-        "OTEL_TRACES_EXPORTER": "otlp",
-        "OTEL_EXPORTER_OTLP_ENDPOINT": f"http://{LOOPBACK}:{port}",
-        "OTEL_EXPORTER_OTLP_INSECURE": "true",
-        "OTEL_BSP_SCHEDULE_DELAY": "100",
-    }
+def test_router_span_is_a_child_of_envoys_ext_proc_call_when_envoy_traces(otlp_receiver):
     from extproc import envoyconf
 
     from .conftest import request
 
-    try:
-        with Stack() as stack:
-            members = stack.start_replicas(2, FAST)
-            router, _ = stack.start_router(members, env=env)
-            envoy_port = free_port()
-            stack.start_envoy(
-                envoyconf.EnvoyOptions(
-                    endpoints=members,
-                    listen=f"{LOOPBACK}:{envoy_port}",
-                    admin=f"{LOOPBACK}:{free_port()}",
-                    router=router,
-                    otlp_tracing=f"{LOOPBACK}:{port}",
-                )
+    receiver, env, port = otlp_receiver, otlp_receiver.env, otlp_receiver.port
+    with Stack() as stack:
+        members = stack.start_replicas(2, FAST)
+        router, _ = stack.start_router(members, env=env)
+        envoy_port = free_port()
+        stack.start_envoy(
+            envoyconf.EnvoyOptions(
+                endpoints=members,
+                listen=f"{LOOPBACK}:{envoy_port}",
+                admin=f"{LOOPBACK}:{free_port()}",
+                router=router,
+                otlp_tracing=f"{LOOPBACK}:{port}",
             )
-            assert request(envoy_port, chat_body("envoy traces this " * 20)).status == 200
-            deadline = time.monotonic() + 20  # Envoy flushes its spans every 5 s
-            while time.monotonic() < deadline:
-                names = {span.name for _, span in receiver.spans()}
-                if "prefix_router.route" in names and any("ext_proc" in n for n in names):
-                    break
-                time.sleep(0.2)
-    finally:
-        server.stop(0)
+        )
+        assert request(envoy_port, chat_body("envoy traces this " * 20)).status == 200
+        deadline = time.monotonic() + 20  # Envoy flushes its spans every 5 s
+        while time.monotonic() < deadline:
+            names = {span.name for _, span in receiver.spans()}
+            if "prefix_router.route" in names and any("ext_proc" in n for n in names):
+                break
+            time.sleep(0.2)
     spans = list(receiver.spans())
     ours = next(span for _, span in spans if span.name == "prefix_router.route")
     call = next(span for _, span in spans if "ExternalProcessor" in span.name)

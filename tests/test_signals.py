@@ -1,0 +1,84 @@
+"""Endpoint probes and metrics scraping against real HTTP servers (the stand-in replica)."""
+
+from __future__ import annotations
+
+import aiohttp
+import pytest
+
+from extproc.config import HealthCheckConfig
+from extproc.endpoints import HealthChecker
+from extproc.fake_replica import ReplicaSettings, start_replica
+from extproc.signals import EndpointSignals, MetricsScraper, parse_metrics
+from extproc.stack import free_port
+
+VLLM_TEXT = """# HELP vllm:num_requests_running Number of requests in model execution batches.
+# TYPE vllm:num_requests_running gauge
+vllm:num_requests_running{engine="0",model_name="m"} 3.0
+vllm:num_requests_waiting{engine="0",model_name="m"} 5.0
+vllm:kv_cache_usage_perc{engine="0",model_name="m"} 0.25
+# TYPE vllm:prefix_cache_queries counter
+vllm:prefix_cache_queries_total{engine="0",model_name="m"} 1000.0
+# TYPE vllm:prefix_cache_hits counter
+vllm:prefix_cache_hits_total{engine="0",model_name="m"} 600.0
+# TYPE vllm:cache_config_info gauge
+vllm:cache_config_info{block_size="32",engine="0",num_gpu_blocks="2048"} 1.0
+"""
+SGLANG_TEXT = """# TYPE sglang:num_running_reqs gauge
+sglang:num_running_reqs{model_name="m"} 2.0
+sglang:num_queue_reqs{model_name="m"} 7.0
+sglang:token_usage{model_name="m"} 0.5
+"""
+
+
+def test_parse_vllm_and_sglang_names():
+    v = parse_metrics(VLLM_TEXT)
+    assert (v.up, v.running, v.waiting, v.kv_usage) == (True, 3.0, 5.0, 0.25)
+    assert (v.hits, v.queries, v.block_size, v.num_blocks) == (600.0, 1000.0, 32, 2048)
+    s = parse_metrics(SGLANG_TEXT)
+    assert (s.running, s.waiting, s.kv_usage, s.hits) == (2.0, 7.0, 0.5, None)
+
+
+def test_window_hit_ratio_and_down_transitions_keep_counters():
+    updates: list[tuple[str, EndpointSignals]] = []
+    scraper = MetricsScraper(lambda: ["a"], lambda a, s: updates.append((a, s)))
+    scraper.record("a", EndpointSignals(up=True, hits=100, queries=200))
+    assert updates[-1][1].window_hit_ratio is None  # one sample: no window yet
+    scraper.record("a", EndpointSignals(up=True, hits=190, queries=300))
+    assert updates[-1][1].window_hit_ratio == pytest.approx(0.9)
+    scraper.record("a", EndpointSignals(up=False))  # dead scrape: counters kept, ratio kept
+    assert updates[-1][1].hits == 190 and updates[-1][1].window_hit_ratio == pytest.approx(0.9)
+    scraper.record("a", EndpointSignals(up=True, hits=200, queries=400))
+    assert updates[-1][1].window_hit_ratio == pytest.approx(0.1)
+
+
+async def test_scraper_reads_a_live_replica_and_marks_a_dead_one_down():
+    runner, port = await start_replica(ReplicaSettings(name="r", port=0))
+    try:
+        live, dead = f"127.0.0.1:{port}", f"127.0.0.1:{free_port()}"
+        got: dict[str, EndpointSignals] = {}
+        scraper = MetricsScraper(lambda: [live, dead], got.__setitem__, timeout_seconds=1.0)
+        async with aiohttp.ClientSession() as session:
+            await scraper.poll_all(session)
+        assert got[live].up and got[live].queries == 0 and got[live].block_size == 16
+        assert not got[dead].up
+    finally:
+        await runner.cleanup()
+
+
+async def test_health_checker_thresholds():
+    runner, port = await start_replica(ReplicaSettings(name="r", port=0))
+    live, dead = f"127.0.0.1:{port}", f"127.0.0.1:{free_port()}"
+    health: dict[str, bool] = {}
+    checker = HealthChecker(
+        HealthCheckConfig(unhealthy_threshold=2, timeout_seconds=1.0),
+        lambda: [live, dead],
+        health.__setitem__,
+    )
+    try:
+        async with aiohttp.ClientSession() as session:
+            await checker.poll_all(session)
+            assert health == {live: True}  # one failure is not enough
+            await checker.poll_all(session)
+            assert health == {live: True, dead: False}
+    finally:
+        await runner.cleanup()
