@@ -28,25 +28,27 @@ KIB = 1024
 
 
 def chat_bodies(size: int, count: int, conversations: int, seed: int = 1) -> list[bytes]:
-    """`count` bodies of about `size` bytes from `conversations` growing conversations."""
+    """`count` chat bodies of about `size` bytes from `conversations` conversations: each
+    conversation repeats its own document (80 % of the body, so later requests match it
+    in the index) followed by a new question."""
     rng = random.Random(seed)
     words = [f"w{i}" for i in range(2000)]
+
+    def text(length: int) -> str:
+        out = " ".join(rng.choices(words, k=length // 5 + 1))
+        return out[:length]
+
     system = "You are a helpful assistant. " * 4
-    histories: list[list[dict[str, str]]] = [
-        [{"role": "system", "content": system}] for _ in range(conversations)
-    ]
+    documents = [text(int(size * 0.8)) for _ in range(conversations)]
     bodies = []
     for i in range(count):
-        history = histories[i % conversations]
-        used = sum(len(m["content"]) for m in history)
-        if used > size * 0.9:
-            del history[1:]
-            used = len(system)
-        chunk = max(64, min(size - used, size // 4))
-        history.append({"role": "user", "content": " ".join(rng.choices(words, k=chunk // 5))})
-        body = orjson.dumps({"model": "m", "messages": history})
-        bodies.append(body)
-        history.append({"role": "assistant", "content": "ok " * 20})
+        messages = [
+            {"role": "system", "content": system},
+            {"role": "user", "content": documents[i % conversations]},
+            {"role": "assistant", "content": "ok"},
+            {"role": "user", "content": text(max(16, size - int(size * 0.8) - 200))},
+        ]
+        bodies.append(orjson.dumps({"model": "m", "messages": messages}))
     return bodies
 
 
@@ -72,6 +74,7 @@ def measure(size: int, endpoints: int, requests: int) -> dict[str, Any]:
         "body_bytes": size,
         "endpoints": endpoints,
         "requests": len(timings),
+        "mean_body_bytes": round(statistics.fmean(len(b) for b in bodies)),
         "p50_us": round(statistics.median(timings), 1),
         "p99_us": round(timings[int(0.99 * (len(timings) - 1))], 1),
         "mean_us": round(statistics.fmean(timings), 1),
