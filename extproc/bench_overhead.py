@@ -57,9 +57,12 @@ def ensure_wrk() -> str:
     path = shutil.which("wrk")
     if path:
         return path
-    if os.geteuid() == 0:
+    if os.geteuid() == 0 and shutil.which("apt-get"):
         print("installing wrk (Debian package)...", file=sys.stderr)
-        subprocess.run(["apt-get", "install", "-y", "-qq", "wrk"], check=True)
+        install = ["apt-get", "install", "-y", "-qq", "wrk"]
+        if subprocess.run(install, capture_output=True).returncode != 0:
+            subprocess.run(["apt-get", "update", "-qq"], check=True)  # fresh package lists
+            subprocess.run(install, check=True, capture_output=True)
         path = shutil.which("wrk")
     if not path:
         raise SystemExit("bench overhead needs wrk: apt-get install wrk")

@@ -49,3 +49,21 @@ def test_bench_latency_short(tmp_path):
     assert result["added_p50_ms"] == pytest.approx(
         result["with_router"]["p50_ms"] - result["envoy_only"]["p50_ms"], abs=1e-3
     )
+
+
+@pytest.mark.envoy
+def test_bench_overhead_short(tmp_path):
+    """Needs wrk (Debian); the benchmark installs it with apt-get when run as root."""
+    out = tmp_path / "overhead.json"
+    argv = ["bench", "overhead", "--sizes", "2", "--connections", "1,4", "--duration", "1"]
+    assert main([*argv, "--configs", "envoy_direct,buffered_w1", "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert {(r["config"], r["connections"]) for r in rows} == {
+        ("envoy_direct", 1),
+        ("envoy_direct", 4),
+        ("buffered_w1", 1),
+        ("buffered_w1", 4),
+    }
+    for row in rows:
+        assert row["requests"] > 0 and row["errors"] == 0
+        assert (row["router_cpu_s_per_1k"] > 0) == (row["config"] != "envoy_direct")
