@@ -8,14 +8,14 @@ blocks 0..i-1, and the longest consecutive match is found by a galloping search.
 
 from __future__ import annotations
 
-import sys
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-# Measured per-entry footprint of an OrderedDict[int, None] (dict slot + linked-list node +
-# the int object), used to report index memory without walking it.
-_BYTES_PER_ENTRY = 104 + sys.getsizeof(2**63)
+# Memory per entry of an OrderedDict[int, None] with its 64-bit int key, measured with
+# tracemalloc (tests/test_index.py checks it): 141 B at 100k entries, 127 B at 1M (the hash
+# table's fill varies). Used to report index memory without walking the index.
+_BYTES_PER_ENTRY = 140
 
 
 @dataclass(frozen=True, slots=True)

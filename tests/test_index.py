@@ -77,3 +77,23 @@ def test_galloping_search_agrees_with_a_linear_scan():
         while expected < len(query) and query[expected] in blocks:
             expected += 1
         assert blocks.matched_prefix(query) == expected
+
+
+def test_reported_memory_matches_tracemalloc_within_a_quarter():
+    import random
+    import tracemalloc
+
+    rng = random.Random(5)
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        index = PrefixIndex()
+        index.set_endpoints({"a": 200_000})
+        for _ in range(2000):
+            index.record("a", [rng.getrandbits(64) for _ in range(100)])
+        used = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    reported = index.stats().approx_bytes
+    assert index.stats().entries == 200_000
+    assert 0.75 * used <= reported <= 1.25 * used
