@@ -28,6 +28,10 @@ OTHER_BENCHMARKS = {
     "latency": ("extproc.latency", "what the router adds to one request through Envoy"),
     "core": ("extproc.bench_core", "the routing core alone, per body size and endpoints"),
     "overhead": ("extproc.bench_overhead", "throughput and latency through Envoy, with wrk"),
+    "live": (
+        "extproc.bench_live",
+        "real vLLM servers: Envoy round robin, this router, sglang-router, vllm-router",
+    ),
 }
 
 # Workload overrides: CLI flag → generator keyword (None = keep the preset's value).

@@ -17,6 +17,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "config": ("extproc.configcmd", "validate a config file, or print the field reference"),
     "healthcheck": ("extproc.healthcheck", "probe the router's gRPC health service"),
     "fake-replica": ("extproc.fake_replica", "run a stand-in OpenAI-compatible model server"),
+    "lab": ("extproc.lab", "real model servers (vLLM on CPU) or stand-ins: up, down, status"),
     "demo": ("extproc.demo", "Envoy + router + stand-in replicas: prefix vs round robin"),
     "bench": ("extproc.bench", "benchmarks: simulate"),
 }

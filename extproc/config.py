@@ -174,6 +174,12 @@ class RoutingConfig(_Strict):
     min_match_blocks: int = Field(
         default=1, ge=1, description="fewest matched blocks that count as holding a prefix"
     )
+    shared_prefix_fraction: float = Field(
+        default=0.5,
+        ge=0,
+        le=1,
+        description="a shared prefix covering this much of the prompt attracts new sessions",
+    )
     cold_start_key: Literal["first_turn", "blocks"] = Field(
         default="first_turn",
         description="session key: prompt up to the first user turn, or the first blocks",

@@ -14,7 +14,8 @@ The algorithm, top to bottom:
    max((1+eps) x its weighted share of (total count + 1), share + slack). If no endpoint is
    under the guard, the guard is lifted (it can only spread load, never refuse it).
 2. Affinity: if an eligible endpoint holds the request's session prefix (the blocks up to the
-   end of the first user turn, or the first cold_start_blocks; at least min_match_blocks),
+   end of the first user turn, or the first cold_start_blocks; at least min_match_blocks) —
+   or a shared prefix covering at least shared_prefix_fraction of the prompt —
    every eligible endpoint gets an estimated cost = its queued work + this request's
    prefill there (cheaper where more of the prompt is cached) + stickiness x the tokens it
    lacks compared with the best-matching eligible endpoint; the cheapest wins. So a request
@@ -27,16 +28,19 @@ The algorithm, top to bottom:
    prefill. Queued work only: a cheaper prefill where a shared preamble is cached must not
    count (see below). Independent router replicas with empty indexes agree on this choice
    whenever the top endpoint is not overloaded, so a conversation's turns meet on one endpoint
-   without shared state. A match on a shared preamble alone (one system prompt for every
-   conversation) does not count: following it would pile every new conversation onto the
-   first endpoint that saw the preamble, while spreading costs one preamble prefill per
-   endpoint, once.
+   without shared state. A match on a short shared preamble alone (one system prompt for
+   every conversation, under shared_prefix_fraction of the prompt) does not count:
+   following it would pile every new conversation onto the first endpoint that saw the
+   preamble, while spreading costs one preamble prefill per endpoint, once. A long shared
+   prefix (a document with short questions) does count: there following it saves most of
+   the prefill and keeps one copy of the document instead of one per endpoint.
 Ties are broken by the rendezvous order, never by list order, for the same reason.
 Fallbacks are the next endpoints in the same ranking.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -230,7 +234,13 @@ class Scheduler:
         eligible = [c for c in candidates if c.eligible]
 
         best_eligible_match = max(c.matched_blocks for c in eligible)
-        needed = max(cfg.min_match_blocks, session_blocks)
+        # Holding the session prefix, or a shared prefix that is most of the prompt (a long
+        # document or system prompt before a short question): following the latter saves
+        # most of the prefill, and spreading such requests would copy it to every endpoint.
+        needed = max(
+            cfg.min_match_blocks,
+            min(session_blocks, math.ceil(cfg.shared_prefix_fraction * total_blocks)),
+        )
         if best_eligible_match >= needed and total_blocks:
             best_tokens = min(n, best_eligible_match * block_tokens)
             for c in candidates:

@@ -236,11 +236,14 @@ def test_queued_work_follows_the_served_endpoint_and_is_taken_back_at_finish():
 
 def test_a_shared_system_prompt_does_not_pull_new_sessions_onto_its_holder():
     # The preamble makes a new session cheaper to prefill where it is cached; following that
-    # would put every conversation on the first endpoint that saw the system prompt.
+    # would put every conversation on the first endpoint that saw the system prompt. (A
+    # preamble under shared_prefix_fraction of the prompt; a longer one does attract, see
+    # test_long_shared_prefix_attracts_new_sessions_but_a_short_preamble_does_not.)
     router = Router(RoutingConfig(), ENDPOINTS, clock=Clock())
     placed = []
     for i in range(40):
-        d = router.route(chat(f"question number {i}. " * 8, system=SYSTEM * 40))  # 11k tokens
+        # system ~1.1k tokens, first turn ~1.6k tokens
+        d = router.route(chat(f"question number {i}. " * 300, system=SYSTEM * 4))
         assert d.rule == RULE_COLD_START
         placed.append(d.endpoint)
         router.finish(d)
@@ -255,3 +258,25 @@ def test_cost_model_comes_from_the_routing_config():
     assert router.cost == CostModel.from_config(config)
     assert router.cost.drain_per_second == 1000.0 and router.cost.stickiness == 0.5
     assert CostModel.from_config(RoutingConfig()) == CostModel()  # defaults agree
+
+
+def test_long_shared_prefix_attracts_new_sessions_but_a_short_preamble_does_not():
+    document = "A long shared document about caches. " * 60  # ~2,200 bytes
+    router = Router(RoutingConfig(), ENDPOINTS)
+    homes = set()
+    for i in range(12):
+        d = router.route(chat(f"question {i}?", system=document))
+        router.finish(d)
+        homes.add(d.endpoint)
+        if i:
+            assert d.rule == RULE_AFFINITY  # the document is > half of each prompt
+    assert len(homes) == 1
+    # A short preamble under long, distinct first turns: new sessions spread by rendezvous.
+    router = Router(RoutingConfig(), ENDPOINTS)
+    homes = set()
+    for i in range(24):
+        d = router.route(chat(f"session {i}: " + "own material " * 80, system="Be brief. " * 8))
+        router.finish(d)
+        homes.add(d.endpoint)
+        assert d.rule == RULE_COLD_START
+    assert len(homes) == len(ENDPOINTS)

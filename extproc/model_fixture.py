@@ -1,0 +1,199 @@
+"""A tiny random-weight Llama with a locally trained tokenizer: a real model for vLLM, no downloads.
+
+Random weights are enough for routing tests and benchmarks: prefill cost and prefix caching
+behave exactly as with trained weights; only the generated text is nonsense. The recipe
+(architecture, tokenizer, corpus, seed) is fixed here and hashed into the directory name, so
+a cached build is reused until the recipe changes:
+
+    <cache>/models/tiny-llama-<recipe hash>/
+        config.json  generation_config.json  model.safetensors     (LlamaForCausalLM, bf16)
+        tokenizer.json  tokenizer_config.json  special_tokens_map.json   (byte-level BPE)
+        .complete                                                   (written last)
+
+Building needs torch, transformers and tokenizers, which live in the vLLM environment, not
+in the router's: run this module with that environment's interpreter (``extproc.lab`` does):
+
+    PYTHONPATH=<repo> <vllm-venv>/bin/python -m extproc.model_fixture --out DIR
+
+The module imports only the standard library at top level, so the router side can compute
+the directory (:func:`default_dir`) and check it (:func:`is_complete`) without torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import random
+import shutil
+import sys
+import time
+from pathlib import Path
+
+RECIPE: dict[str, object] = {
+    "version": 1,
+    "seed": 1234,
+    "model": {
+        "hidden_size": 256,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 4,
+        "intermediate_size": 1024,
+        "max_position_embeddings": 4096,
+        "torch_dtype": "bfloat16",
+    },
+    "tokenizer": {"vocab_size": 4096, "corpus_lines": 20000, "min_frequency": 2},
+}
+
+BOS = "<|begin_of_text|>"
+EOS = "<|eot|>"
+PAD = "<|pad|>"
+HEADER_START = "<|start_header|>"
+HEADER_END = "<|end_header|>"
+SPECIAL_TOKENS = [BOS, EOS, PAD, HEADER_START, HEADER_END, "<|end_of_text|>"]
+
+# Llama-3-like: every message as a header block; the assistant header when asked to generate.
+CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% for message in messages %}"
+    "{% if message['content'] is string %}{% set text = message['content'] %}"
+    "{% else %}{% set text = message['content'] | selectattr('type', 'equalto', 'text')"
+    " | map(attribute='text') | join('\\n') %}{% endif %}"
+    "<|start_header|>{{ message['role'] }}<|end_header|>\n\n{{ text }}<|eot|>"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|start_header|>assistant<|end_header|>\n\n{% endif %}"
+)
+
+# Words for the training corpus: common English, the domain words of the project's workloads,
+# and generated syllable words so that unseen text still splits into multi-byte pieces.
+_ENGLISH = (
+    "the of and to in is that it for on with as was at by be this from or have an are not "
+    "but had his they you were their one all we can her has there been if more when will "
+    "would who so no she other its may these about into than two could time only first "
+    "very then also some what any each which do how said up out many most after new just "
+    "system user assistant answer question careful explain summarize document section page "
+    "conversation turn reply please thanks detail example code function value result "
+    "cache prefix token replica router envoy latency throughput model prompt batch decode "
+    "prefill kernel memory tensor layer request stream header cluster metric queue policy "
+    "schedule index block hash window context data network service deploy config signal "
+    "health score weight share budget limit fast slow server client gateway proxy route"
+)
+_WORDS = _ENGLISH.split()
+_SYLLABLE_TEXT = "ka lo mi ne ru sa te vi zo ba de fi go hu ja ke li mo nu pa qi ro su ta"
+_SYLLABLES = _SYLLABLE_TEXT.split()
+
+
+def recipe_hash() -> str:
+    text = json.dumps({**RECIPE, "template": CHAT_TEMPLATE, "special": SPECIAL_TOKENS})
+    return hashlib.sha256(text.encode()).hexdigest()[:12]
+
+
+def default_dir(cache_root: Path) -> Path:
+    return cache_root / "models" / f"tiny-llama-{recipe_hash()}"
+
+
+def is_complete(directory: Path) -> bool:
+    marker = directory / ".complete"
+    return marker.exists() and marker.read_text().strip() == recipe_hash()
+
+
+def corpus(lines: int, seed: int) -> list[str]:
+    rng = random.Random(seed)
+    made = ["".join(rng.choice(_SYLLABLES) for _ in range(rng.randint(2, 4))) for _ in range(600)]
+    out = []
+    for i in range(lines):
+        pool = _WORDS if i % 3 else made
+        words = [rng.choice(pool) for _ in range(rng.randint(8, 40))]
+        if i % 7 == 0:
+            words.insert(rng.randrange(len(words)), str(rng.randint(0, 99999)))
+        sentence = " ".join(words)
+        out.append(sentence[0].upper() + sentence[1:] + rng.choice([".", "?", "!", ",", ":"]))
+    return out
+
+
+def build(out: Path) -> Path:
+    """Build the fixture into ``out`` (atomically: a temporary sibling, then renamed)."""
+    import torch
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    seed = int(RECIPE["seed"])  # type: ignore[call-overload]
+    tok_recipe: dict = RECIPE["tokenizer"]  # type: ignore[assignment]
+    model_recipe: dict = dict(RECIPE["model"])  # type: ignore[call-overload]
+
+    tmp = out.with_name(out.name + ".tmp")
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir(parents=True)
+
+    # Tokenizer: byte-level BPE (any UTF-8 text encodes), trained on the generated corpus.
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=tok_recipe["vocab_size"],
+        min_frequency=tok_recipe["min_frequency"],
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(corpus(tok_recipe["corpus_lines"], seed), trainer=trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer,
+        bos_token=BOS,
+        eos_token=EOS,
+        pad_token=PAD,
+        model_max_length=model_recipe["max_position_embeddings"],
+        clean_up_tokenization_spaces=False,
+    )
+    fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(tmp)
+    # The chat template inside tokenizer_config.json, whatever this transformers version's
+    # default (newer ones write a separate chat_template.jinja).
+    config_path = tmp / "tokenizer_config.json"
+    tok_config = json.loads(config_path.read_text())
+    tok_config["chat_template"] = CHAT_TEMPLATE
+    tok_config.setdefault("tokenizer_class", "PreTrainedTokenizerFast")
+    config_path.write_text(json.dumps(tok_config, indent=2) + "\n")
+    (tmp / "special_tokens_map.json").write_text(
+        json.dumps({"bos_token": BOS, "eos_token": EOS, "pad_token": PAD}, indent=2) + "\n"
+    )
+
+    # Model: seeded random weights, saved as safetensors in bf16.
+    torch.manual_seed(seed)
+    dtype = model_recipe.pop("torch_dtype")
+    config = LlamaConfig(
+        vocab_size=len(fast),
+        bos_token_id=fast.convert_tokens_to_ids(BOS),
+        eos_token_id=fast.convert_tokens_to_ids(EOS),
+        pad_token_id=fast.convert_tokens_to_ids(PAD),
+        tie_word_embeddings=False,
+        **model_recipe,
+    )
+    model = LlamaForCausalLM(config).to(getattr(torch, dtype))
+    model.save_pretrained(tmp, safe_serialization=True)
+
+    (tmp / ".complete").write_text(recipe_hash() + "\n")
+    if out.exists():
+        shutil.rmtree(out)
+    tmp.rename(out)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", required=True, help="directory to build (skipped if complete)")
+    parser.add_argument("--force", action="store_true", help="rebuild even if complete")
+    args = parser.parse_args(argv)
+    out = Path(args.out).expanduser()
+    if is_complete(out) and not args.force:
+        print(f"model fixture: {out} is complete ({recipe_hash()})")
+        return 0
+    started = time.monotonic()
+    build(out)
+    print(f"model fixture: built {out} in {time.monotonic() - started:.1f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,146 @@
+"""End to end with real model servers: Envoy + the router + two vLLM CPU servers.
+
+What vLLM itself counts decides: the same multi-turn, shared-system-prompt chat workload
+(streaming, concurrent conversations) goes through Envoy with prefix routing and through an
+Envoy balancing round robin, each run starting from empty caches (POST /reset_prefix_cache);
+prefix routing must reach a clearly higher ``vllm:prefix_cache_hits_total /
+vllm:prefix_cache_queries_total`` with no errors. Also checked: the metric names that
+``extproc.signals`` scrapes exist in this vLLM's /metrics, and the running router really
+consumed them.
+"""
+
+from __future__ import annotations
+
+import time
+import urllib.request
+
+import orjson
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from extproc import bench_live, envoyconf, lab, signals
+from extproc.stack import LOOPBACK, Stack, free_port
+from extproc.workload import ChatWorkload
+
+pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.timeout(1500)]
+
+# Sized for the tiny model's 4,096-token context and two CPU cores: the longest turn is
+# ~1,900 tokens (320 system + ~1,200 document + 3 x (~70 question + 16 answer)).
+WORKLOAD = ChatWorkload(
+    conversations=12,
+    turns=4,
+    concurrency=4,
+    system_prompt_words=300,
+    first_message_words=1200,
+    followup_words=60,
+    max_tokens=16,
+    model=lab.SERVED_MODEL_NAME,
+    seed=7,
+)
+MIN_GAIN = 0.10  # prefix routing's hit ratio must beat round robin's by this much
+
+
+def _get(url: str) -> str:
+    with urllib.request.urlopen(url, timeout=10) as response:
+        return response.read().decode()
+
+
+def _chat(address: str, text: str) -> dict:
+    body = orjson.dumps(
+        {
+            "model": lab.SERVED_MODEL_NAME,
+            "messages": [{"role": "user", "content": text}],
+            "max_tokens": 4,
+        }
+    )
+    request = urllib.request.Request(
+        f"http://{address}/v1/chat/completions",
+        data=body,
+        headers={"content-type": "application/json"},
+    )
+    with urllib.request.urlopen(request, timeout=60) as response:
+        return orjson.loads(response.read())
+
+
+def test_vllm_metrics_parse_with_signals(vllm_endpoints: list[str]) -> None:
+    """Every name extproc.signals reads is in vLLM's /metrics, and the values parse."""
+    address = vllm_endpoints[0]
+    prompt = "cache prefix token replica router " * 40  # > 2 blocks of 32 tokens
+    for _ in range(2):  # the second one hits the cache
+        assert _chat(address, prompt)["choices"]
+    time.sleep(1.0)
+    text = _get(f"http://{address}/metrics")
+    names = {s.name for f in text_string_to_metric_families(text) for s in f.samples}
+    for name in (
+        "vllm:num_requests_running",
+        "vllm:num_requests_waiting",
+        "vllm:kv_cache_usage_perc",
+        "vllm:prefix_cache_hits_total",
+        "vllm:prefix_cache_queries_total",
+        "vllm:cache_config_info",
+    ):
+        assert name in names, f"{name} missing from vLLM {lab.VLLM_VERSION} /metrics"
+    parsed = signals.parse_metrics(text)
+    assert parsed.up
+    assert parsed.running is not None and parsed.waiting is not None
+    assert parsed.kv_usage is not None and 0.0 <= parsed.kv_usage <= 1.0
+    assert parsed.queries is not None and parsed.hits is not None
+    assert parsed.queries > 0 and 0 < parsed.hits <= parsed.queries
+    assert parsed.block_size == lab.BLOCK_SIZE
+    assert parsed.num_blocks is not None and parsed.num_blocks * lab.BLOCK_SIZE >= 4096
+
+
+def _routed_run(
+    stack: Stack, label: str, mode: str, router_address: str, endpoints: list[str]
+) -> dict:
+    port = free_port()
+    options = envoyconf.EnvoyOptions(
+        mode=mode,
+        endpoints=endpoints,
+        listen=f"{LOOPBACK}:{port}",
+        admin=f"{LOOPBACK}:{free_port()}",
+        router=router_address,
+        body_mode="buffered",
+    )
+    _, envoy = stack.start_envoy(options, name=f"envoy-{label}")
+    try:
+        target = bench_live.Target(label, f"http://{LOOPBACK}:{port}", None, envoy.process.pid)
+        return bench_live.measured_run(
+            target, "chat", WORKLOAD, bench_live.GroupWorkload(), endpoints, progress=False
+        )
+    finally:
+        stack.stop(envoy)
+
+
+def test_prefix_routing_beats_round_robin_on_vllm(vllm_endpoints: list[str]) -> None:
+    started = time.monotonic()
+    with Stack() as stack:
+        router_address, router = stack.start_router(vllm_endpoints, body_mode="buffered")
+        prefix = _routed_run(stack, "prefix", "override-host", router_address, vllm_endpoints)
+        # The router scraped vLLM's /metrics with extproc.signals during the run.
+        admin = stack.router_admin_ports["router"]
+        router_metrics = _get(f"http://{LOOPBACK}:{admin}/metrics")
+        round_robin = _routed_run(
+            stack, "round_robin", "round-robin", router_address, vllm_endpoints
+        )
+        assert router.alive(), router.log_tail()
+    elapsed = time.monotonic() - started
+    report = f"prefix {prefix}\nround robin {round_robin}\n{elapsed:.0f} s for both runs"
+    print(report)
+
+    total = WORKLOAD.conversations * WORKLOAD.turns
+    for run in (prefix, round_robin):
+        assert run["requests"] == total, report
+        assert run["errors"] == 0, report
+    assert prefix["hit_ratio"] >= round_robin["hit_ratio"] + MIN_GAIN, report
+    # Affinity did not pile everything onto one server.
+    assert all(share >= 0.2 for share in prefix["server_share"].values()), report
+
+    samples = {
+        (s.name, s.labels.get("endpoint")): s.value
+        for f in text_string_to_metric_families(router_metrics)
+        for s in f.samples
+    }
+    for address in vllm_endpoints:
+        assert samples.get(("prefix_router_endpoint_metrics_up", address)) == 1.0, router_metrics
+        assert ("prefix_router_endpoint_kv_usage", address) in samples, router_metrics

@@ -1,0 +1,145 @@
+"""The lab and live-benchmark plumbing without vLLM: commands, state, stand-in servers, report."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from pathlib import Path
+
+import orjson
+import pytest
+
+from extproc import bench_live, lab, model_fixture
+
+
+def test_vllm_command_is_loopback_with_the_cpu_flags(tmp_path: Path) -> None:
+    args = lab.vllm_command(Path("/py"), tmp_path, 8123, kv_blocks=200)
+    text = " ".join(args)
+    assert args[1:3] == ["-m", "vllm.entrypoints.openai.api_server"]  # not the broken script
+    assert "--host 127.0.0.1" in text and "--port 8123" in text
+    for flag in ("--enable-prefix-caching", "--enforce-eager", "--block-size 32"):
+        assert flag in text
+    assert "--num-gpu-blocks-override 200" in text
+    with pytest.raises(ValueError, match="max model length"):
+        lab.vllm_command(Path("/py"), tmp_path, 8123, kv_blocks=100)  # 3,200 < 4,096 tokens
+
+
+def test_each_replica_gets_its_own_core() -> None:
+    cores = sorted(os.sched_getaffinity(0))
+    assert [lab.core_for(i) for i in range(len(cores))] == [str(c) for c in cores]
+    env = lab.vllm_env("1")
+    assert env["VLLM_CPU_OMP_THREADS_BIND"] == "1"
+    assert env["HF_HUB_OFFLINE"] == "1" and env["VLLM_NO_USAGE_STATS"] == "1"
+
+
+def test_model_fixture_dir_follows_the_recipe(tmp_path: Path) -> None:
+    path = model_fixture.default_dir(tmp_path)
+    assert path.name == f"tiny-llama-{model_fixture.recipe_hash()}"
+    assert not model_fixture.is_complete(path)
+    path.mkdir(parents=True)
+    (path / ".complete").write_text("stale\n")
+    assert not model_fixture.is_complete(path)
+    (path / ".complete").write_text(model_fixture.recipe_hash() + "\n")
+    assert model_fixture.is_complete(path)
+    assert "{{ bos_token }}" in model_fixture.CHAT_TEMPLATE
+    assert len(model_fixture.corpus(50, 1)) == 50
+
+
+def _lab(*argv: str) -> int:
+    parser = argparse.ArgumentParser()
+    lab.add_arguments(parser)
+    return lab.run(parser.parse_args(list(argv)))
+
+
+@pytest.mark.slow
+def test_lab_up_status_down_with_stand_in_servers(tmp_path: Path, capsys) -> None:
+    state = tmp_path / "state"
+    assert _lab("up", "--backend", "fake", "--replicas", "2", "--state-dir", str(state)) == 0
+    try:
+        data = json.loads((state / "state.json").read_text())
+        servers = data["servers"]
+        assert [s["address"].split(":")[0] for s in servers] == ["127.0.0.1", "127.0.0.1"]
+        for server in servers:
+            assert lab.healthy(server["address"])
+        assert _lab("up", "--backend", "fake", "--state-dir", str(state)) == 1  # already up
+        assert _lab("status", "--state-dir", str(state)) == 0
+        assert "healthy" in capsys.readouterr().out
+    finally:
+        assert _lab("down", "--state-dir", str(state)) == 0
+    assert not (state / "state.json").exists()
+    deadline = time.monotonic() + 10
+    while any(lab._pid_is_ours(s["pid"], s["port"]) for s in servers):
+        assert time.monotonic() < deadline, "lab down left a server running"
+        time.sleep(0.1)
+
+
+def test_group_workload_is_deterministic_and_interleaved() -> None:
+    workload = bench_live.GroupWorkload(groups=3, questions=4)
+    first, second = bench_live.group_requests(workload), bench_live.group_requests(workload)
+    assert first == second and len(first) == 12
+    assert [g for g, _ in first] != sorted(g for g, _ in first)  # groups interleave
+    body = orjson.loads(first[0][1])
+    assert body["stream"] is True and body["messages"][0]["role"] == "system"
+
+
+def test_tree_cpu_counts_this_process() -> None:
+    before = bench_live.tree_cpu_seconds(os.getpid())
+    deadline = time.process_time() + 0.05
+    while time.process_time() < deadline:
+        pass
+    assert bench_live.tree_cpu_seconds(os.getpid()) > before
+
+
+def test_report_table_and_markdown() -> None:
+    row = {
+        "run": "prefix_buffered",
+        "workload": "chat",
+        "requests": 4,
+        "errors": 0,
+        "hit_ratio": 0.75,
+        "ttft_p50_ms": 10.0,
+        "ttft_p99_ms": 20.0,
+        "latency_p50_ms": 30.0,
+        "latency_p99_ms": 40.0,
+        "throughput_rps": 1.5,
+        "seconds": 2.0,
+        "router_cpu_ms_per_req": 1.0,
+        "router_net_cpu_ms_per_req": 0.5,
+        "proxy_cpu_ms_per_req": None,
+        "routing_cpu_ms_per_req": 1.0,
+        "server_share": {"127.0.0.1:1": 0.5, "127.0.0.1:2": 0.5},
+    }
+    text = bench_live.format_table([row])
+    assert "0.750" in text and "share server 2" in text
+    markdown = bench_live.format_markdown([row])
+    assert markdown.splitlines()[0].startswith("|  | prefix_buffered |")
+
+
+@pytest.mark.slow
+def test_started_servers_die_with_the_process_that_started_them(tmp_path: Path) -> None:
+    """A killed test run or benchmark (SIGKILL, no cleanup) leaves no server behind."""
+    import subprocess
+    import sys
+
+    script = (
+        "import sys, time; from pathlib import Path; from extproc import lab; "
+        "s = lab.start_fake('orphan', Path(sys.argv[1])); "
+        "print(s.pid, s.port, flush=True); time.sleep(60)"
+    )
+    parent = subprocess.Popen(
+        [sys.executable, "-c", script, str(tmp_path)], stdout=subprocess.PIPE, text=True
+    )
+    assert parent.stdout is not None
+    pid, port = (int(v) for v in parent.stdout.readline().split())
+    deadline = time.monotonic() + 20
+    while not lab.healthy(f"127.0.0.1:{port}"):
+        assert time.monotonic() < deadline, "stand-in server did not start"
+        time.sleep(0.1)
+    parent.kill()
+    parent.wait(5)
+    deadline = time.monotonic() + 10
+    while lab._pid_is_ours(pid, port):
+        assert time.monotonic() < deadline, "server outlived the process that started it"
+        time.sleep(0.1)
