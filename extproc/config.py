@@ -188,6 +188,12 @@ class RoutingConfig(_Strict):
         default=4, ge=1, description="blocks in the session key without turns (completions)"
     )
     fallbacks: int = Field(default=2, ge=0, le=16, description="extra endpoints in the header")
+    kv_saturated_fraction: float = Field(
+        default=0.98,
+        gt=0,
+        le=1,
+        description="reported KV usage at which an endpoint takes no new requests while others can",
+    )
 
 
 class HealthCheckConfig(_Strict):

@@ -41,6 +41,11 @@ class EndpointState:
     # Estimated prefill work queued here (token-equivalents) as of ``work_at`` (clock time).
     work: float = 0.0
     work_at: float = 0.0
+    # From the endpoint's own /metrics (signals.py); None/False when unknown or unreachable.
+    reported_load: float | None = None
+    saturated: bool = False
+    # capacity_tokens came from the config, so a scraped KV size must not override it.
+    capacity_configured: bool = False
 
 
 class Router:
@@ -72,11 +77,42 @@ class Router:
             capacity = self.capacity_blocks(e.capacity_tokens)
             if state is None:
                 state = EndpointState(e.address, e.weight, capacity, address_hash(e.address))
-            else:
-                state.weight, state.capacity_blocks = e.weight, capacity
+            elif e.capacity_tokens is not None or state.capacity_configured:
+                state.capacity_blocks = capacity  # else keep a size learned from the endpoint
+            state.weight = e.weight
+            state.capacity_configured = e.capacity_tokens is not None
             fresh[e.address] = state
         self._endpoints = fresh
         self.index.set_endpoints({a: s.capacity_blocks for a, s in fresh.items()})
+
+    def observe_signals(
+        self,
+        address: str,
+        up: bool,
+        running: float | None = None,
+        waiting: float | None = None,
+        kv_usage: float | None = None,
+        kv_capacity_tokens: int | None = None,
+    ) -> None:
+        """What the endpoint itself reports. Its running + waiting requests count as its load
+        when they exceed this router's own in-flight count (other routers' traffic, or
+        requests queued in the server); a KV cache nearly full of running requests takes no
+        new ones while another endpoint can; the KV size sizes the index when the config did
+        not. ``up=False`` (scrape failed) falls back to in-flight counts only."""
+        state = self._endpoints.get(address)
+        if state is None:
+            return
+        if not up:
+            state.reported_load, state.saturated = None, False
+            return
+        known = [v for v in (running, waiting) if v is not None]
+        state.reported_load = sum(known) if known else None
+        state.saturated = kv_usage is not None and kv_usage >= self.config.kv_saturated_fraction
+        if kv_capacity_tokens and not state.capacity_configured:
+            blocks = self.capacity_blocks(kv_capacity_tokens)
+            if blocks != state.capacity_blocks:
+                state.capacity_blocks = blocks
+                self.index.set_endpoints({a: e.capacity_blocks for a, e in self._endpoints.items()})
 
     @property
     def endpoints(self) -> list[str]:
@@ -148,7 +184,14 @@ class Router:
         now = self.clock()
         views = [
             EndpointView(
-                s.address, float(s.in_flight), s.weight, s.address_hash, self._drain(s, now)
+                s.address,
+                float(
+                    s.in_flight if s.reported_load is None else max(s.in_flight, s.reported_load)
+                ),
+                s.weight,
+                s.address_hash,
+                self._drain(s, now),
+                s.saturated,
             )
             for s in self._endpoints.values()
             if s.healthy and (allowed is None or s.address in allowed)

@@ -11,8 +11,10 @@ count cannot tell a 191k-token prompt from a 30-token one; the work can.
 The algorithm, top to bottom:
 1. Guard (counts, the secondary signal: it bounds concurrent sequences, which queued prefill
    work does not show): an endpoint may take this request only if its in-flight count stays under
-   max((1+eps) x its weighted share of (total count + 1), share + slack). If no endpoint is
-   under the guard, the guard is lifted (it can only spread load, never refuse it).
+   max((1+eps) x its weighted share of (total count + 1), share + slack), and its KV cache is
+   not reported saturated. The count is this router's in-flight requests, or the endpoint's
+   own running + waiting when it reports more (other routers' traffic, server queues). If no
+   endpoint is under the guard, the guard is lifted (it can only spread load, never refuse it).
 2. Affinity: if an eligible endpoint holds the request's session prefix (the blocks up to the
    end of the first user turn, or the first cold_start_blocks; at least min_match_blocks) —
    or a shared prefix covering at least shared_prefix_fraction of the prompt —
@@ -66,6 +68,8 @@ class EndpointView:
     address_hash: int = 0
     # Prefill work queued on this endpoint (token-equivalents, see CostModel).
     work: float = 0.0
+    # Its KV cache is (nearly) full of running requests, as the endpoint reports.
+    saturated: bool = False
 
 
 def address_hash(address: str) -> int:
@@ -221,7 +225,7 @@ class Scheduler:
                     matched_blocks=matched,
                     load=e.load,
                     cap=cap,
-                    eligible=e.load + 1 <= cap,
+                    eligible=e.load + 1 <= cap and not e.saturated,
                     score=0.0,
                     rendezvous=rendezvous_score(key, e.address_hash),
                     work=e.work,

@@ -280,3 +280,47 @@ def test_long_shared_prefix_attracts_new_sessions_but_a_short_preamble_does_not(
         homes.add(d.endpoint)
         assert d.rule == RULE_COLD_START
     assert len(homes) == len(ENDPOINTS)
+
+
+def test_reported_load_from_other_routers_counts_in_the_guard():
+    config = RoutingConfig(load_epsilon=0.0, load_slack=1)
+    router = Router(config, ENDPOINTS)
+    first = router.route(chat("busy elsewhere " * 30))
+    router.finish(first)
+    home = first.endpoint
+    # The endpoint reports a deep queue this router never saw (another router's traffic).
+    router.observe_signals(home, up=True, running=16, waiting=20)
+    moved = router.route(chat("busy elsewhere " * 30))
+    assert moved.endpoint != home and moved.rule == RULE_LOAD_GUARD
+    router.finish(moved)
+    # Its metrics go dark: back to in-flight counts only, and the prefix is followed again.
+    router.observe_signals(home, up=False)
+    assert router.route(chat("busy elsewhere " * 30)).endpoint in {home, moved.endpoint}
+    explained = {
+        c["endpoint"]: c for c in router.route(chat("busy elsewhere " * 30)).explain()["candidates"]
+    }
+    assert explained[home]["load"] < 16
+
+
+def test_saturated_kv_cache_takes_no_new_requests_while_others_can():
+    router = Router(RoutingConfig(), ENDPOINTS)
+    first = router.route(chat("kv pressure " * 30))
+    router.finish(first)
+    router.observe_signals(first.endpoint, up=True, running=1, waiting=0, kv_usage=0.99)
+    assert router.route(chat("kv pressure " * 30)).endpoint != first.endpoint
+    for e in ENDPOINTS:  # every endpoint saturated: the guard lifts, the prefix wins again
+        router.observe_signals(e.address, up=True, running=1, waiting=0, kv_usage=0.99)
+    assert router.route(chat("kv pressure " * 30)).endpoint == first.endpoint
+
+
+def test_kv_capacity_learned_from_the_endpoint_sizes_the_index_unless_configured():
+    configured = EndpointConfig(address="10.0.0.9:8000", capacity_tokens=1600)
+    router = Router(RoutingConfig(), [*ENDPOINTS[:1], configured])
+    learned = ENDPOINTS[0].address
+    router.observe_signals(learned, up=True, kv_capacity_tokens=3200)  # 3,200 tokens
+    router.observe_signals(configured.address, up=True, kv_capacity_tokens=999_999)
+    capacities = {a: b.capacity for a, b in router.index._endpoints.items()}
+    assert capacities[learned] == 3200 * 4 // 64  # tokens x bytes/token / block bytes
+    assert capacities[configured.address] == 1600 * 4 // 64
+    router.set_endpoints([*ENDPOINTS[:1], configured])  # a re-sync keeps the learned size
+    assert router.index._endpoints[learned].capacity == 200
