@@ -59,7 +59,10 @@ class EnvoyOptions:
     endpoints: list[str] = field(default_factory=lambda: list(EXAMPLE_ENDPOINTS))
     listen: str = "127.0.0.1:8080"
     admin: str = "127.0.0.1:9901"
-    router: str = "127.0.0.1:9002"  # the ext_proc gRPC service
+    # The ext_proc gRPC service: "ip:port", or a comma list of several router processes
+    # (one cluster; Envoy balances streams over the ones whose gRPC health is SERVING, so a
+    # draining router, NOT_SERVING, gets no new streams: rolling restarts lose nothing).
+    router: str = "127.0.0.1:9002"
     body_mode: BodyMode = "buffered"
     header_name: str = "x-gateway-destination-endpoint"
     served_header_name: str = "x-gateway-destination-endpoint-served"
@@ -85,6 +88,15 @@ class EnvoyOptions:
     access_log: bool = False
     # OpenTelemetry collector (OTLP/gRPC, ip:port) for Envoy's own request spans; "" = off.
     otlp_tracing: str = ""
+    # TLS to the router (its `tls` config section): the CA bundle that signed the router's
+    # certificate; setting it turns TLS on. router_tls_sni is sent as SNI and must be a DNS
+    # name in the router certificate's subjectAltName (recommended: without it any
+    # certificate from that CA is accepted). router_tls_cert/key: Envoy's client certificate
+    # for mTLS (the router's tls.client_ca_file). Envoy reads these files once at start.
+    router_tls_ca: str = ""
+    router_tls_sni: str = ""
+    router_tls_cert: str = ""
+    router_tls_key: str = ""
 
 
 # --------------------------------------------------------------------------- validation
@@ -111,6 +123,17 @@ def parse_address(value: str, what: str) -> tuple[str, int]:
     if not 0 < number < 65536:
         raise EnvoyConfigError(f"{what} {value!r}: port must be 1-65535")
     return str(ip), number
+
+
+def router_addresses(options: EnvoyOptions) -> list[tuple[str, int]]:
+    """The router processes behind the ext_proc cluster (``router`` is a comma list)."""
+    addresses = [a for a in options.router.split(",") if a.strip()]
+    if not addresses:
+        raise EnvoyConfigError("router: at least one 'ip:port' is required")
+    parsed = [parse_address(a, "router") for a in addresses]
+    if len({_canonical(h, p) for h, p in parsed}) != len(parsed):
+        raise EnvoyConfigError(f"router {options.router!r} lists an address twice")
+    return parsed
 
 
 def _canonical(host: str, port: int) -> str:
@@ -145,7 +168,17 @@ def validate(options: EnvoyOptions) -> list[tuple[str, int]]:
         seen.add(key)
     parse_address(options.listen, "listen")
     parse_address(options.admin, "admin")
-    parse_address(options.router, "router")
+    router_addresses(options)
+    if bool(options.router_tls_cert) != bool(options.router_tls_key):
+        raise EnvoyConfigError("router_tls_cert and router_tls_key: set both (or neither)")
+    if (options.router_tls_cert or options.router_tls_sni) and not options.router_tls_ca:
+        raise EnvoyConfigError(
+            "router_tls_ca is required with router_tls_cert/router_tls_sni (TLS to the router)"
+        )
+    if options.router_tls_sni and not re.fullmatch(
+        r"[A-Za-z0-9*][A-Za-z0-9.-]*", options.router_tls_sni
+    ):
+        raise EnvoyConfigError(f"router_tls_sni {options.router_tls_sni!r} is not a DNS name")
     _check_header(options.header_name, "header_name")
     _check_header(options.served_header_name, "served_header_name")
     if options.header_name == options.served_header_name:
@@ -336,8 +369,34 @@ EXT_PROC_HEALTH_SERVICE = "envoy.service.ext_proc.v3.ExternalProcessor"
 OTEL_CLUSTER = "otel_collector"
 
 
-def _router_cluster(options: EnvoyOptions) -> dict[str, Any]:
+def _router_tls(options: EnvoyOptions) -> dict[str, Any]:
+    """UpstreamTlsContext for the router cluster (also used by its gRPC health check)."""
+    validation: dict[str, Any] = {"trusted_ca": {"filename": options.router_tls_ca}}
+    if options.router_tls_sni:
+        validation["match_typed_subject_alt_names"] = [
+            {"san_type": "DNS", "matcher": {"exact": options.router_tls_sni}}
+        ]
+    common: dict[str, Any] = {"alpn_protocols": ["h2"], "validation_context": validation}
+    if options.router_tls_cert:
+        common["tls_certificates"] = [
+            {
+                "certificate_chain": {"filename": options.router_tls_cert},
+                "private_key": {"filename": options.router_tls_key},
+            }
+        ]
+    context: dict[str, Any] = {"common_tls_context": common}
+    if options.router_tls_sni:
+        context["sni"] = options.router_tls_sni
     return {
+        "name": "envoy.transport_sockets.tls",
+        "typed_config": _typed(
+            "envoy.extensions.transport_sockets.tls.v3.UpstreamTlsContext", context
+        ),
+    }
+
+
+def _router_cluster(options: EnvoyOptions) -> dict[str, Any]:
+    cluster = {
         "name": ROUTER_CLUSTER,
         "type": "STATIC",
         "connect_timeout": "0.25s",
@@ -365,12 +424,20 @@ def _router_cluster(options: EnvoyOptions) -> dict[str, Any]:
             "endpoints": [
                 {
                     "lb_endpoints": [
-                        {"endpoint": {"address": _socket_address(options.router, "router")}}
+                        {
+                            "endpoint": {
+                                "address": {"socket_address": {"address": h, "port_value": p}}
+                            }
+                        }
+                        for h, p in router_addresses(options)
                     ]
                 }
             ],
         },
     }
+    if options.router_tls_ca:
+        cluster["transport_socket"] = _router_tls(options)
+    return cluster
 
 
 def _ext_proc_filter(options: EnvoyOptions) -> dict[str, Any]:
@@ -662,7 +729,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--listen", default=d.listen, help="listener ip:port")
     parser.add_argument("--admin", default=d.admin, help="admin ip:port")
-    parser.add_argument("--router", default=d.router, help="ext_proc service ip:port")
+    parser.add_argument(
+        "--router", default=d.router, help="ext_proc service ip:port (comma list: several)"
+    )
     parser.add_argument("--body-mode", dest="body_mode", choices=BODY_MODES, default=d.body_mode)
     parser.add_argument("--header-name", dest="header_name", default=d.header_name)
     parser.add_argument(
@@ -710,6 +779,34 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=d.otlp_tracing,
         metavar="IP:PORT",
         help="export Envoy's request spans to this OTLP/gRPC collector",
+    )
+    parser.add_argument(
+        "--router-tls-ca",
+        dest="router_tls_ca",
+        default=d.router_tls_ca,
+        metavar="FILE",
+        help="CA (PEM) of the router's certificate: TLS to the router",
+    )
+    parser.add_argument(
+        "--router-tls-sni",
+        dest="router_tls_sni",
+        default=d.router_tls_sni,
+        metavar="NAME",
+        help="SNI sent to the router, checked against its certificate's DNS names",
+    )
+    parser.add_argument(
+        "--router-tls-cert",
+        dest="router_tls_cert",
+        default=d.router_tls_cert,
+        metavar="FILE",
+        help="Envoy's client certificate (PEM) for mTLS to the router",
+    )
+    parser.add_argument(
+        "--router-tls-key",
+        dest="router_tls_key",
+        default=d.router_tls_key,
+        metavar="FILE",
+        help="key (PEM) of --router-tls-cert",
     )
     parser.add_argument("--output", "-o", default="-", help="file to write ('-' = stdout)")
 

@@ -37,13 +37,20 @@ from .endpoints import HealthChecker
 from .metrics import MULTIPROC_ENV, RouterMetrics
 from .router import Router
 from .server import ExternalProcessorService, Outcome
-from .signals import MetricsScraper
+from .signals import EndpointSignals, MetricsScraper
 from .telemetry import DecisionTracer, tracer_from_env
+from .tls import CertificateReloader, TLSFilesError, server_credentials
 
 log = logging.getLogger("extproc")
 
 EXT_PROC_SERVICE = "envoy.service.ext_proc.v3.ExternalProcessor"
 HEALTH_SERVICES = ("", "liveness", "readiness", EXT_PROC_SERVICE)
+# On SIGTERM the router first reports NOT_SERVING (gRPC health and /readyz) and keeps
+# accepting streams this long (capped by server.grace_seconds), so that Envoy's health check
+# of the router cluster (every 0.5 s, see envoyconf) moves new requests elsewhere before the
+# port closes; then it stops accepting and waits up to the rest of the grace for in-flight
+# streams. Kubernetes needs longer (its readiness probe period): use a preStop sleep there.
+READINESS_NOTICE_SECONDS = 1.5
 
 
 class OutcomeCounter:
@@ -98,7 +105,7 @@ class RouterService:
         )
         self.scraper = MetricsScraper(
             lambda: self.router.endpoints,
-            self.metrics.record_signals,
+            self._on_signals,
             config.signals.path,
             config.signals.interval_seconds,
             config.signals.timeout_seconds,
@@ -112,6 +119,21 @@ class RouterService:
         self._discovery: asyncio.Task[None] | None = None
         self._background: set[asyncio.Task[None]] = set()
         self._ready = False
+        self._stopping = False
+        self.tls: CertificateReloader | None = None
+        self.service: ExternalProcessorService | None = None
+
+    def _on_signals(self, address: str, signals: EndpointSignals) -> None:
+        """An endpoint's own metrics: published, and fed to the scheduler (load, KV)."""
+        self.metrics.record_signals(address, signals)
+        capacity = (
+            signals.block_size * signals.num_blocks
+            if signals.block_size and signals.num_blocks
+            else None
+        )
+        self.router.observe_signals(
+            address, signals.up, signals.running, signals.waiting, signals.kv_usage, capacity
+        )
 
     def observe(self, outcome: Outcome) -> None:
         self.outcomes(outcome)
@@ -134,9 +156,14 @@ class RouterService:
         service = ExternalProcessorService(
             self.router, self.config.server, self.observe, self.tracer
         )
+        self.service = service
         ext_grpc.add_ExternalProcessorServicer_to_server(service, self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
-        self.port = self.server.add_insecure_port(self.config.server.listen)
+        if self.config.tls.enabled:
+            credentials, self.tls = server_credentials(self.config.tls)
+            self.port = self.server.add_secure_port(self.config.server.listen, credentials)
+        else:
+            self.port = self.server.add_insecure_port(self.config.server.listen)
         if self.port == 0:
             raise RuntimeError(f"cannot listen on {self.config.server.listen}")
         await self.server.start()
@@ -169,6 +196,7 @@ class RouterService:
             await asyncio.sleep(1.0)
 
     async def _set_serving(self, ready: bool) -> None:
+        ready = ready and not self._stopping  # discovery must not undo a drain
         self._ready = ready
         serving = health_pb2.HealthCheckResponse.SERVING
         not_serving = health_pb2.HealthCheckResponse.NOT_SERVING
@@ -176,9 +204,21 @@ class RouterService:
         for name in ("", "readiness", EXT_PROC_SERVICE):
             await self.health.set(name, serving if ready else not_serving)
 
-    async def stop(self, grace: float | None = None) -> None:
-        """Report not-ready first so Envoy stops opening streams, then drain."""
+    async def stop(self, grace: float | None = None, notice: float | None = None) -> None:
+        """Report not-ready first so Envoy stops opening streams, then drain.
+
+        ``notice``: seconds to keep accepting streams after turning not-ready (default
+        READINESS_NOTICE_SECONDS, never more than the grace); ``grace``: the whole budget,
+        notice included, after which streams still open are cancelled (Envoy then continues
+        those requests without the router: failure_mode_allow).
+        """
+        grace = self.config.server.grace_seconds if grace is None else grace
+        notice = min(READINESS_NOTICE_SECONDS if notice is None else notice, grace)
+        started = time.monotonic()
+        self._stopping = True
         await self._set_serving(False)
+        if notice > 0 and self.server is not None:
+            await asyncio.sleep(notice)
         await self.checker.stop()
         await self.scraper.stop()
         for task in (self._refresher, self._discovery):
@@ -187,7 +227,7 @@ class RouterService:
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
         if self.server is not None:
-            await self.server.stop(self.config.server.grace_seconds if grace is None else grace)
+            await self.server.stop(max(0.0, grace - (time.monotonic() - started)))
         if self.admin_runner is not None:
             await self.admin_runner.cleanup()
 
@@ -213,8 +253,14 @@ async def serve_until_signalled(
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
-    log.info("pid %d draining (up to %.0fs)", os.getpid(), config.server.grace_seconds)
+    log.info(
+        "pid %d draining (not ready now; %d requests in flight; up to %.1fs)",
+        os.getpid(),
+        sum(service.router.in_flight().values()),
+        config.server.grace_seconds,
+    )
     await service.stop()
+    log.info("pid %d drained, exiting", os.getpid())
 
 
 def _worker_main(config_data: dict[str, Any], log_level: str, decisions: Any) -> None:
@@ -338,7 +384,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="append",
         default=[],
         metavar="KEY=VALUE",
-        help="any config field by dotted path, e.g. routing.load_weight=0.3",
+        help="any config field by dotted path, e.g. routing.stickiness=2",
     )
     parser.add_argument("--log-level", default="info")
 
@@ -370,10 +416,19 @@ def run(args: argparse.Namespace) -> int:
         return 2
     if not config.endpoints and config.discovery.kind == "static":
         log.warning("no endpoints configured: every routable request will get a 503")
+    if config.tls.enabled:
+        try:  # fail fast, before any worker starts, on unreadable or mismatched files
+            CertificateReloader(config.tls)
+        except TLSFilesError as exc:
+            print(f"prefix-router: invalid TLS files\n{exc}", file=sys.stderr)
+            return 2
     if config.server.workers > 1:
         return run_workers(config, args.log_level)
     try:
         asyncio.run(serve_until_signalled(config))
+    except TLSFilesError as exc:
+        print(f"prefix-router: invalid TLS files\n{exc}", file=sys.stderr)
+        return 2
     except RuntimeError as exc:
         log.error("%s", exc)
         return 1

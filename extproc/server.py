@@ -75,6 +75,7 @@ class _Exchange:
     """Per-stream state."""
 
     full_duplex: bool
+    headers_seen: bool = False
     routable_api: str | None = None
     passing_through: bool = False
     decided: bool = False
@@ -91,6 +92,12 @@ def _header_map(headers: ext_pb.HttpHeaders) -> dict[str, str]:
     for h in headers.headers.headers:
         result[h.key] = h.raw_value.decode("utf-8", "replace") if h.raw_value else h.value
     return result
+
+
+def _content_length(headers: dict[str, str]) -> int:
+    """Declared body size; 0 when absent or malformed (Envoy rejects those itself)."""
+    value = headers.get("content-length", "").strip()
+    return int(value) if value.isdigit() else 0
 
 
 def _subset_hint(request: ext_pb.ProcessingRequest) -> frozenset[str] | None:
@@ -244,7 +251,19 @@ class ExternalProcessorService(ext_grpc.ExternalProcessorServicer):
             return [_EMPTY_RESPONSE_TRAILERS]
         return []
 
+    def _out_of_order(self, ex: _Exchange, what: str) -> None:
+        """A message Envoy never sends in this position: no decision for this request
+        (one already made stands, and is released when the stream ends)."""
+        if not ex.passing_through and not ex.decided:
+            ex.outcome.kind, ex.outcome.detail = "pass_through", "out_of_order"
+        ex.passing_through = True
+        log.debug("ext_proc message out of order (%s); passing the request through", what)
+
     def _on_request_headers(self, ex: _Exchange, request: ext_pb.ProcessingRequest) -> list:
+        if ex.headers_seen:
+            self._out_of_order(ex, "request headers again")
+            return [_EMPTY_REQUEST_HEADERS]
+        ex.headers_seen = True
         if request.HasField("protocol_config"):
             ex.full_duplex = request.protocol_config.request_body_mode == FULL_DUPLEX
         headers = _header_map(request.request_headers)
@@ -262,7 +281,7 @@ class ExternalProcessorService(ext_grpc.ExternalProcessorServicer):
             reason = "empty_body"
         elif headers.get("content-encoding", "identity").lower() != "identity":
             reason = "content_encoding"
-        elif int(headers.get("content-length", "0") or 0) > self.config.max_body_bytes:
+        elif _content_length(headers) > self.config.max_body_bytes:
             reason = "body_too_large"
         if reason:
             ex.passing_through = True
@@ -279,6 +298,8 @@ class ExternalProcessorService(ext_grpc.ExternalProcessorServicer):
         return {a for a in (api_for_path(p) for p in self.config.routable_paths) if a}
 
     def _on_request_body(self, ex: _Exchange, body: ext_pb.HttpBody) -> list:
+        if not ex.headers_seen:
+            self._out_of_order(ex, "body before headers")
         if ex.passing_through or ex.decided:
             if ex.full_duplex:
                 return [_echo(body.body, body.end_of_stream)]

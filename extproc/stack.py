@@ -89,6 +89,7 @@ class ManagedProcess:
             return
         assert self.process is not None
         self.process.send_signal(signal.SIGTERM)
+        self.process.send_signal(signal.SIGCONT)  # a paused (SIGSTOP) process must see it
         try:
             self.process.wait(timeout)
         except subprocess.TimeoutExpired:
@@ -110,6 +111,26 @@ def wait_for_port(port: int, proc: ManagedProcess, timeout: float = 30.0) -> Non
             raise RuntimeError(f"{proc.name} exited at start-up:\n{proc.log_tail()}")
         time.sleep(0.05)
     raise TimeoutError(f"{proc.name} did not open port {port} in {timeout}s:\n{proc.log_tail()}")
+
+
+def wait_ready(admin_port: int, proc: ManagedProcess, timeout: float = 30.0) -> None:
+    """Wait until a router's admin /readyz answers 200 (its gRPC port serves then)."""
+    import urllib.error
+    import urllib.request
+
+    url = f"http://{LOOPBACK}:{admin_port}/readyz"
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with (
+            contextlib.suppress(OSError, urllib.error.URLError),
+            urllib.request.urlopen(url, timeout=1) as response,
+        ):
+            if response.status == 200:
+                return
+        if not proc.alive():
+            raise RuntimeError(f"{proc.name} exited at start-up:\n{proc.log_tail()}")
+        time.sleep(0.05)
+    raise TimeoutError(f"{proc.name} not ready in {timeout}s:\n{proc.log_tail()}")
 
 
 def python_cli(*args: str) -> list[str]:
@@ -150,6 +171,20 @@ class Stack:
         if proc in self.processes:
             self.processes.remove(proc)
 
+    def respawn(self, proc: ManagedProcess, port: int | None = None) -> ManagedProcess:
+        """Start ``proc``'s command again (same name, arguments, log file), e.g. a replica
+        on the same port after it was stopped; waits for ``port`` when given."""
+        if proc in self.processes:
+            self.processes.remove(proc)
+        again = ManagedProcess(proc.name, proc.args, proc.log_path, proc.env).start()
+        self.processes.append(again)
+        if port is not None:
+            wait_for_port(port, again)
+        return again
+
+    def process(self, name: str) -> ManagedProcess:
+        return next(p for p in self.processes if p.name == name)
+
     def stop_all(self) -> None:
         # Envoy first (no new traffic), then the router, then the replicas.
         for proc in reversed(self.processes):
@@ -189,7 +224,10 @@ class Stack:
         extra_args: Sequence[str] = (),
         name: str = "router",
         env: dict[str, str] | None = None,
+        ready: bool = False,
     ) -> tuple[str, ManagedProcess]:
+        """Start a router; ``ready``: wait for its /readyz, not only for the port (needed
+        when another router already listens on the port, SO_REUSEPORT)."""
         port = port or free_port()
         address = f"{LOOPBACK}:{port}"
         admin_port = self.router_admin_ports.get(name) or free_port()
@@ -213,6 +251,8 @@ class Stack:
             env,
         )
         wait_for_port(port, proc)
+        if ready:
+            wait_ready(admin_port, proc)
         return address, proc
 
     def start_envoy(

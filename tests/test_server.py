@@ -301,3 +301,33 @@ async def test_dns_discovery_feeds_the_router_and_readiness():
     assert svc.router.endpoints == ["127.0.0.1:8000"]
     assert svc.ready()
     await svc.stop(0)
+
+
+async def test_scraped_signals_reach_the_router():
+    from extproc.fake_replica import ReplicaSettings, start_replica
+
+    runner, port = await start_replica(ReplicaSettings(name="r", port=0, capacity_tokens=32768))
+    address = f"127.0.0.1:{port}"
+    cfg = load_config(
+        overrides={
+            "server.listen": "127.0.0.1:0",
+            "server.admin_listen": "",
+            "endpoints": address,
+            "health.enabled": False,
+            "signals.interval_seconds": 0.1,
+        },
+        environ={},
+    )
+    svc = RouterService(cfg)
+    await svc.start()
+    try:
+        for _ in range(50):
+            if svc.router.index._endpoints[address].capacity != svc.router.capacity_blocks(None):
+                break
+            await asyncio.sleep(0.05)
+        # 32,768 tokens (16-token blocks x 2,048, from vllm:cache_config_info) x 4 bytes / 64
+        assert svc.router.index._endpoints[address].capacity == 32768 * 4 // 64
+        assert svc.scraper.latest[address].up
+    finally:
+        await svc.stop(0)
+        await runner.cleanup()
