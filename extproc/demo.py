@@ -18,8 +18,7 @@ from typing import Any
 
 from tqdm import tqdm
 
-from . import envoyconf
-from .stack import LOOPBACK, Stack, free_port
+from .stack import LOOPBACK, Stack, router_args_for
 from .workload import (
     ChatWorkload,
     reset_prefix_caches,
@@ -117,21 +116,16 @@ def run(args: argparse.Namespace) -> int:
         replicas = stack.start_replicas(
             args.replicas, ["--capacity-tokens", str(args.replica_capacity_tokens)]
         )
-        extra = ["--set", "server.single_destination=true"] if args.mode == "original-dst" else []
         router_address, router = stack.start_router(
-            replicas, body_mode=args.body_mode, workers=args.workers, extra_args=extra
+            replicas,
+            body_mode=args.body_mode,
+            workers=args.workers,
+            extra_args=router_args_for(args.mode),
         )
         for label, mode in (("prefix", args.mode), ("round_robin", "round-robin")):
-            port = free_port()
-            options = envoyconf.EnvoyOptions(
-                mode=mode,
-                endpoints=replicas,
-                listen=f"{LOOPBACK}:{port}",
-                admin=f"{LOOPBACK}:{free_port()}",
-                router=router_address,
-                body_mode=args.body_mode,
+            port, envoy = stack.start_proxy(
+                mode, replicas, router_address, args.body_mode, name=f"envoy-{label}"
             )
-            _, envoy = stack.start_envoy(options, name=f"envoy-{label}")
             runs[label] = _run_workload(label, f"http://{LOOPBACK}:{port}", workload, replicas)
             stack.stop(envoy)
         stack.stop(router)

@@ -17,8 +17,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from . import envoyconf
-from .stack import LOOPBACK, Stack, free_port
+from .stack import LOOPBACK, Stack, router_args_for
 
 INSTANT_REPLICA = [
     "--base-ttft-ms",
@@ -87,20 +86,14 @@ def run(args: argparse.Namespace) -> int:
     results: dict[str, Any] = {}
     with Stack() as stack:
         replicas = stack.start_replicas(2, INSTANT_REPLICA)
-        extra = ["--set", "server.single_destination=true"] if args.mode == "original-dst" else []
-        router, _ = stack.start_router(replicas, body_mode=args.body_mode, extra_args=extra)
+        router, _ = stack.start_router(
+            replicas, body_mode=args.body_mode, extra_args=router_args_for(args.mode)
+        )
         ports = {}
         for label, mode in (("with_router", args.mode), ("envoy_only", "round-robin")):
-            ports[label] = free_port()
-            options = envoyconf.EnvoyOptions(
-                mode=mode,
-                endpoints=replicas,
-                listen=f"{LOOPBACK}:{ports[label]}",
-                admin=f"{LOOPBACK}:{free_port()}",
-                router=router,
-                body_mode=args.body_mode,
+            ports[label], _ = stack.start_proxy(
+                mode, replicas, router, args.body_mode, name=f"envoy-{label}"
             )
-            stack.start_envoy(options, name=f"envoy-{label}")
         conns = {k: http.client.HTTPConnection(LOOPBACK, p, timeout=10) for k, p in ports.items()}
         samples: dict[str, list[float]] = {k: [] for k in conns}
         for i in range(50):  # warm-up: connections, Envoy and the router's code paths

@@ -155,18 +155,25 @@ class Router:
         return state.work
 
     def _charge(self, state: EndpointState, decision: Decision, now: float) -> None:
+        decision.work_released = False
         decision.queued_before = self._drain(state, now)
         decision.charged_at = now
         state.work += decision.work
         state.in_flight += 1
 
-    def _uncharge(self, state: EndpointState, decision: Decision, now: float) -> None:
+    def _release_work(self, state: EndpointState, decision: Decision, now: float) -> None:
         """Take back what is left of the request's charge (FIFO: work queued before it
         drains first)."""
+        if decision.work_released:
+            return
+        decision.work_released = True
         self._drain(state, now)
         drained = self.cost.drain_per_second * max(0.0, now - decision.charged_at)
         left = min(decision.work, max(0.0, decision.work + decision.queued_before - drained))
         state.work = max(0.0, state.work - left)
+
+    def _uncharge(self, state: EndpointState, decision: Decision, now: float) -> None:
+        self._release_work(state, decision, now)
         if state.in_flight > 0:
             state.in_flight -= 1
         if state.in_flight == 0:
@@ -221,6 +228,18 @@ class Router:
         state = self._endpoints.get(decision.served or decision.endpoint)
         if state is not None:
             self._uncharge(state, decision, self.clock())
+
+    def prefill_done(self, decision: Decision) -> None:
+        """The endpoint has answered (its first byte reached Envoy): the request's prefill is
+        over, so what is left of its work charge is taken back now. It stays in flight, as a
+        decoding sequence, until ``finish``. Envoy waits for the router's answer to the
+        response headers before the client sees them, so a client that sends its next turn
+        after this answer always finds the charge released."""
+        if decision.rule == RULE_NO_ENDPOINT or decision.endpoint is None:
+            return
+        state = self._endpoints.get(decision.served or decision.endpoint)
+        if state is not None:
+            self._release_work(state, decision, self.clock())
 
     def served(self, decision: Decision, served_address: str) -> bool:
         """Envoy reports where the request really went; move the load and learn the blocks.

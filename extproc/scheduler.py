@@ -161,6 +161,8 @@ class Decision:
     # Router-private bookkeeping for taking the charge back (see Router.finish).
     charged_at: float = 0.0
     queued_before: float = 0.0
+    # The endpoint answered (first byte): the prefill work charge was taken back already.
+    work_released: bool = False
 
     def explain(self, top_k: int | None = None) -> dict[str, Any]:
         ranked = sorted(self.candidates, key=_rank_key)

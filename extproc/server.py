@@ -359,8 +359,10 @@ class ExternalProcessorService(ext_grpc.ExternalProcessorServicer):
         served = headers.get(self.config.served_header_name, "")
         ex.outcome.served = served
         decision = ex.outcome.decision
-        if decision is not None and served:
-            self.router.served(decision, served)
+        if decision is not None:
+            if served:
+                self.router.served(decision, served)
+            self.router.prefill_done(decision)
 
 
 def _echo(data: bytes, end_of_stream: bool) -> ext_pb.ProcessingResponse:

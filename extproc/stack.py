@@ -133,6 +133,11 @@ def wait_ready(admin_port: int, proc: ManagedProcess, timeout: float = 30.0) -> 
     raise TimeoutError(f"{proc.name} not ready in {timeout}s:\n{proc.log_tail()}")
 
 
+def router_args_for(mode: str) -> list[str]:
+    """Router flags an Envoy design needs: original_dst routes on a single address."""
+    return ["--set", "server.single_destination=true"] if mode == "original-dst" else []
+
+
 def python_cli(*args: str) -> list[str]:
     return [sys.executable, "-m", "extproc.cli", *args]
 
@@ -254,6 +259,28 @@ class Stack:
         if ready:
             wait_ready(admin_port, proc)
         return address, proc
+
+    def start_proxy(
+        self,
+        mode: str,
+        endpoints: Sequence[str],
+        router: str | None = None,
+        body_mode: str = "buffered",
+        name: str | None = None,
+        **options: object,
+    ) -> tuple[int, ManagedProcess]:
+        """A real Envoy on free loopback ports in front of ``endpoints``; returns its port."""
+        port = free_port()
+        settings = envoyconf.EnvoyOptions(
+            mode=mode,  # type: ignore[arg-type]
+            endpoints=list(endpoints),
+            listen=f"{LOOPBACK}:{port}",
+            admin=f"{LOOPBACK}:{free_port()}",
+            body_mode=body_mode,  # type: ignore[arg-type]
+            **({"router": router} if router else {}),
+            **options,  # type: ignore[arg-type]
+        )
+        return self.start_envoy(settings, name=name or f"envoy-{mode}-{body_mode}")
 
     def start_envoy(
         self, options: envoyconf.EnvoyOptions, name: str = "envoy"

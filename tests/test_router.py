@@ -324,3 +324,17 @@ def test_kv_capacity_learned_from_the_endpoint_sizes_the_index_unless_configured
     assert capacities[configured.address] == 1600 * 4 // 64
     router.set_endpoints([*ENDPOINTS[:1], configured])  # a re-sync keeps the learned size
     assert router.index._endpoints[learned].capacity == 200
+
+
+def test_first_byte_releases_the_prefill_charge_but_not_the_in_flight_count():
+    clock = Clock()
+    router = Router(RoutingConfig(), ENDPOINTS, clock=clock)
+    decision = router.route(chat("a long prompt " * 400))
+    assert router.queued_work()[decision.endpoint] > 0
+    router.prefill_done(decision)
+    assert router.queued_work()[decision.endpoint] == 0
+    assert router.in_flight()[decision.endpoint] == 1
+    router.prefill_done(decision)  # twice is harmless
+    router.finish(decision)
+    assert router.in_flight()[decision.endpoint] == 0
+    assert router.queued_work()[decision.endpoint] == 0

@@ -107,6 +107,9 @@ def simulate(
         elif kind == PREFILL_DONE:
             replica = replicas[records[request.rid].replica]
             records[request.rid].ttft_ms = now - request.arrival_s * 1000.0
+            first_token = getattr(router, "first_token", None)
+            if first_token is not None:  # the server does this at the response headers
+                first_token(handles[request.rid])
             decode = replica.end_prefill(request)
             heapq.heappush(heap, (now + decode, seq, FINISH, request))
             seq += 1

@@ -18,8 +18,8 @@ import orjson
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from extproc import bench_live, envoyconf, lab, signals
-from extproc.stack import LOOPBACK, Stack, free_port
+from extproc import bench_live, lab, signals
+from extproc.stack import LOOPBACK, Stack
 from extproc.workload import ChatWorkload
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.timeout(1500)]
@@ -93,16 +93,7 @@ def test_vllm_metrics_parse_with_signals(vllm_endpoints: list[str]) -> None:
 def _routed_run(
     stack: Stack, label: str, mode: str, router_address: str, endpoints: list[str]
 ) -> dict:
-    port = free_port()
-    options = envoyconf.EnvoyOptions(
-        mode=mode,
-        endpoints=endpoints,
-        listen=f"{LOOPBACK}:{port}",
-        admin=f"{LOOPBACK}:{free_port()}",
-        router=router_address,
-        body_mode="buffered",
-    )
-    _, envoy = stack.start_envoy(options, name=f"envoy-{label}")
+    port, envoy = stack.start_proxy(mode, endpoints, router_address, name=f"envoy-{label}")
     try:
         target = bench_live.Target(label, f"http://{LOOPBACK}:{port}", None, envoy.process.pid)
         return bench_live.measured_run(

@@ -9,8 +9,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from extproc import envoyconf
-from extproc.stack import LOOPBACK, ManagedProcess, Stack, free_port
+from extproc.stack import LOOPBACK, ManagedProcess, Stack, router_args_for
 
 COMBINATIONS = [
     ("override-host", "buffered"),
@@ -98,21 +97,9 @@ def start_routed_stack(
     router_args: list[str] | None = None,
     **envoy_options,
 ) -> RoutedStack:
-    args = list(router_args or [])
-    if mode == "original-dst":
-        args += ["--set", "server.single_destination=true"]
+    args = [*(router_args or []), *router_args_for(mode)]
     router_address, router = stack.start_router(replicas, body_mode=body_mode, extra_args=args)
-    port = free_port()
-    options = envoyconf.EnvoyOptions(
-        mode=mode,
-        endpoints=replicas,
-        listen=f"{LOOPBACK}:{port}",
-        admin=f"{LOOPBACK}:{free_port()}",
-        router=router_address,
-        body_mode=body_mode,
-        **envoy_options,
-    )
-    stack.start_envoy(options, name=f"envoy-{mode}-{body_mode}")
+    port, _ = stack.start_proxy(mode, replicas, router_address, body_mode, **envoy_options)
     names = {address: f"replica-{i + 1}" for i, address in enumerate(replicas)}
     return RoutedStack(stack, mode, body_mode, replicas, names, router_address, router, port, args)
 

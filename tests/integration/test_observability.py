@@ -12,9 +12,9 @@ import pytest
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
 
-from extproc.stack import LOOPBACK, Stack, free_port
+from extproc.stack import LOOPBACK, Stack
 
-from .conftest import chat_body, start_routed_stack
+from .conftest import chat_body, request, start_routed_stack
 
 pytestmark = [pytest.mark.envoy]
 FAST = ["--prefill-ms-per-token", "0.0001", "--decode-ms-per-token", "0.1"]
@@ -29,8 +29,8 @@ class Receiver(trace_service_pb2_grpc.TraceServiceServicer):
         return trace_service_pb2.ExportTraceServiceResponse()
 
     def spans(self):
-        for request in self.requests:
-            for resource_spans in request.resource_spans:
+        for export in self.requests:
+            for resource_spans in export.resource_spans:
                 attrs = {a.key: a.value.string_value for a in resource_spans.resource.attributes}
                 for scope in resource_spans.scope_spans:
                     for span in scope.spans:
@@ -86,18 +86,7 @@ def test_spans_arrive_over_otlp_grpc(otlp_receiver):
     with Stack() as stack:
         members = stack.start_replicas(2, FAST)
         router, _ = stack.start_router(members, env=env)
-        envoy_port = free_port()
-        from extproc import envoyconf
-
-        stack.start_envoy(
-            envoyconf.EnvoyOptions(
-                endpoints=members,
-                listen=f"{LOOPBACK}:{envoy_port}",
-                admin=f"{LOOPBACK}:{free_port()}",
-                router=router,
-            )
-        )
-        from .conftest import request
+        envoy_port, _ = stack.start_proxy("override-host", members, router)
 
         parent = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
         for i in range(3):
@@ -170,23 +159,12 @@ def test_metrics_and_decisions_after_traffic_through_envoy(tmp_path, workers):
 
 
 def test_router_span_is_a_child_of_envoys_ext_proc_call_when_envoy_traces(otlp_receiver):
-    from extproc import envoyconf
-
-    from .conftest import request
-
     receiver, env, port = otlp_receiver, otlp_receiver.env, otlp_receiver.port
     with Stack() as stack:
         members = stack.start_replicas(2, FAST)
         router, _ = stack.start_router(members, env=env)
-        envoy_port = free_port()
-        stack.start_envoy(
-            envoyconf.EnvoyOptions(
-                endpoints=members,
-                listen=f"{LOOPBACK}:{envoy_port}",
-                admin=f"{LOOPBACK}:{free_port()}",
-                router=router,
-                otlp_tracing=f"{LOOPBACK}:{port}",
-            )
+        envoy_port, _ = stack.start_proxy(
+            "override-host", members, router, otlp_tracing=f"{LOOPBACK}:{port}"
         )
         assert request(envoy_port, chat_body("envoy traces this " * 20)).status == 200
         deadline = time.monotonic() + 20  # Envoy flushes its spans every 5 s
