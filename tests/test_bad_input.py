@@ -22,6 +22,7 @@ import pytest
 
 from extproc.stack import LOOPBACK, Stack
 
+from .integration.conftest import Response as Reply
 from .reliability.conftest import FAST, Rig, report, requests_by_outcome, start_rig, wait_until
 
 pytestmark = [pytest.mark.envoy]
@@ -29,17 +30,6 @@ CHAT = "/v1/chat/completions"
 MIB = 1024 * 1024
 TIMEOUT = 60.0
 ROUTED = ("routed", None)  # any routing rule
-
-
-@dataclass
-class Reply:
-    status: int
-    headers: dict[str, str]
-    body: bytes
-
-    @property
-    def replica(self) -> str:
-        return self.headers.get("x-replica-name", "")
 
 
 def raw_request(
