@@ -367,6 +367,7 @@ def _original_dst_cluster(options: EnvoyOptions) -> dict[str, Any]:
 
 EXT_PROC_HEALTH_SERVICE = "envoy.service.ext_proc.v3.ExternalProcessor"
 OTEL_CLUSTER = "otel_collector"
+UPSTREAM_FAILURE_HEADER = "x-prefix-router-upstream-failure"
 
 
 def _router_tls(options: EnvoyOptions) -> dict[str, Any]:
@@ -606,6 +607,23 @@ def _connection_manager(options: EnvoyOptions, endpoints: list[tuple[str, int]])
         "route_config": {"name": "llm", "virtual_hosts": [virtual_host]},
         "http_filters": filters,
     }
+    if options.mode != "round-robin":
+        # Envoy's own 503 for an upstream it could not reach carries the response flags, so
+        # the router (response-headers phase) can tell a dead replica from a busy one and
+        # stop picking it at once: original_dst cannot retry elsewhere by itself.
+        manager["local_reply_config"] = {
+            "mappers": [
+                {
+                    "filter": {"response_flag_filter": {"flags": ["UF", "URX", "UH", "UO"]}},
+                    "headers_to_add": [
+                        {
+                            "header": {"key": UPSTREAM_FAILURE_HEADER, "value": "%RESPONSE_FLAGS%"},
+                            "append_action": "OVERWRITE_IF_EXISTS_OR_ADD",
+                        }
+                    ],
+                }
+            ]
+        }
     if options.access_log:
         manager["access_log"] = _access_log()
     if options.otlp_tracing:

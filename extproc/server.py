@@ -50,6 +50,8 @@ _EMPTY_RESPONSE_BODY = ext_pb.ProcessingResponse(response_body=ext_pb.BodyRespon
 # Echoed body chunks stay well under gRPC's default 4 MiB message limit on Envoy's side.
 ECHO_CHUNK_BYTES = 1024 * 1024
 SUBSET_NAMESPACE = "envoy.lb.subset_hint"
+# Set by the Envoy configs (envoyconf.py) on Envoy's own reply when the upstream was unreachable.
+UPSTREAM_FAILURE_HEADER = "x-prefix-router-upstream-failure"
 SUBSET_KEY = "x-gateway-destination-endpoint-subset"
 
 
@@ -363,6 +365,11 @@ class ExternalProcessorService(ext_grpc.ExternalProcessorServicer):
             if served:
                 self.router.served(decision, served)
             self.router.prefill_done(decision)
+        if served and headers.get(UPSTREAM_FAILURE_HEADER):
+            # Envoy could not reach the endpoint (its local reply carries the response flags):
+            # stop picking it now rather than at the next failed probe; a passing probe
+            # brings it back.
+            self.router.set_health(served, False)
 
 
 def _echo(data: bytes, end_of_stream: bool) -> ext_pb.ProcessingResponse:

@@ -57,3 +57,28 @@ def test_original_dst_router_stops_picking_a_dead_replica(body_mode):
             response = routed.send(chat_body(*history))
             assert response.status == 200, response.body[:300]
             assert response.replica != home.replica
+
+
+def test_original_dst_stops_picking_a_dead_replica_after_envoys_first_failure():
+    """Probes too slow to matter (30 s): Envoy's local reply for the unreachable upstream
+    carries its response flags, and the router takes the endpoint out at once."""
+    with Stack() as stack:
+        members = stack.start_replicas(3, FAST)
+        routed = start_routed_stack(
+            stack, "original-dst", "buffered", members, ["--set", "health.interval_seconds=30"]
+        )
+        history = ["Tell me about the dead replica. " * 30]
+        home = routed.send(chat_body(*history))
+        assert home.status == 200
+        dead = next(p for p in stack.processes if p.name == home.replica)
+        stack.stop(dead)
+        history += ["An answer.", "first question after the death"]
+        first = routed.send(chat_body(*history))
+        # original_dst cannot retry elsewhere: this one is lost, and says why.
+        assert first.status == 503
+        assert "UF" in first.headers["x-prefix-router-upstream-failure"]
+        for turn in range(5):
+            history += ["An answer.", f"next question {turn}"]
+            response = routed.send(chat_body(*history))
+            assert response.status == 200, response.body[:300]
+            assert response.replica != home.replica
