@@ -59,6 +59,7 @@ from .workload import (
     ChatWorkload,
     RequestRecord,
     RunResult,
+    aligned_table,
     percentile,
     run_chat_workload,
 )
@@ -551,17 +552,7 @@ def table_rows(results: list[dict[str, Any]]) -> list[list[str]]:
 
 
 def format_table(results: list[dict[str, Any]]) -> str:
-    rows = table_rows(results)
-    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-    lines = [
-        "  ".join(
-            c.ljust(w) if i == 0 else c.rjust(w)
-            for i, (c, w) in enumerate(zip(row, widths, strict=True))
-        )
-        for row in rows
-    ]
-    lines.insert(1, "-" * len(lines[0]))
-    return "\n".join(lines)
+    return aligned_table(table_rows(results))
 
 
 def format_markdown(results: list[dict[str, Any]]) -> str:

@@ -21,6 +21,7 @@ from tqdm import tqdm
 from .stack import LOOPBACK, Stack, router_args_for
 from .workload import (
     ChatWorkload,
+    aligned_table,
     reset_prefix_caches,
     run_chat_workload,
     scrape_prefix_counters,
@@ -83,16 +84,7 @@ def format_table(runs: dict[str, dict[str, Any]]) -> str:
                 *(f"{run['replica_share'].get(name, 0):.0%}" for run in runs.values()),
             )
         )
-    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-    lines = [
-        "  ".join(
-            cell.ljust(w) if i == 0 else cell.rjust(w)
-            for i, (cell, w) in enumerate(zip(row, widths, strict=True))
-        )
-        for row in rows
-    ]
-    lines.insert(1, "-" * len(lines[0]))
-    return "\n".join(lines)
+    return aligned_table(rows)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -192,6 +192,21 @@ async def reset_prefix_caches(replicas: list[str]) -> None:
                 response.raise_for_status()
 
 
+def aligned_table(rows: list[tuple[str, ...]]) -> str:
+    """Rows of strings as columns: the first left-aligned, the rest right-aligned, a rule
+    under the header row."""
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    lines = [
+        "  ".join(
+            cell.ljust(w) if i == 0 else cell.rjust(w)
+            for i, (cell, w) in enumerate(zip(row, widths, strict=True))
+        )
+        for row in rows
+    ]
+    lines.insert(1, "-" * len(lines[0]))
+    return "\n".join(lines)
+
+
 def percentile(values: list[float], q: float) -> float:
     if not values:
         return 0.0

