@@ -1,39 +1,63 @@
-"""Chained xxh3_64 block hashes of a canonical prompt.
+"""Prefix hashes of a canonical prompt, one per block.
 
-Block i's hash is seeded by block i-1's, so equal hashes at position i mean equal prefixes
-(up to collisions of a 64-bit hash). The root seed mixes in the model name and cache salt,
-so two models, or two tenants with different salts, never share a prefix.
-Only full blocks are hashed: model servers cache only full blocks too.
+Hash i identifies blocks 0..i: it is the XOR of xxh3_64(block j) x M_j over j <= i and the
+root, with M_j a fixed odd multiplier per position, so equal hashes at position i mean equal
+prefixes (up to collisions of a 64-bit hash), and a block's position counts (swapping two
+blocks changes the hash). This equals a chain of seeded hashes in what it identifies but
+runs as one C-level pass over the blocks plus three numpy operations: ~40 us for 32 KiB in
+64-byte blocks, where a Python loop of seeded xxh3 calls takes ~90 us (docs/benchmarks.md).
+The root mixes in the model name and cache salt, so two models, or two tenants with
+different salts, never share a prefix. Only full blocks are hashed: model servers cache
+only full blocks too.
 """
 
 from __future__ import annotations
 
+import struct
+from functools import lru_cache
+
+import numpy as np
 from xxhash import xxh3_64_intdigest
 
 from .prompt import LLMRequest
 
+EMPTY = np.zeros(0, dtype=np.uint64)
+
 
 def root_hash(model: str, cache_salt: str = "") -> int:
     return xxh3_64_intdigest(
-        b"prefix-router/v1\x00" + model.encode() + b"\x00" + cache_salt.encode()
+        b"prefix-router/v2\x00" + model.encode() + b"\x00" + cache_salt.encode()
     )
 
 
-def block_hashes(prompt: bytes, root: int, block_size: int, max_blocks: int) -> list[int]:
-    """Hashes of the first min(len // block_size, max_blocks) full blocks."""
+@lru_cache(maxsize=1)
+def _multipliers(count: int) -> np.ndarray:
+    return np.array(
+        [xxh3_64_intdigest(i.to_bytes(4, "little"), 0x9E3779B9) | 1 for i in range(count)],
+        dtype=np.uint64,
+    )
+
+
+@lru_cache(maxsize=4096)
+def _splitter(block_size: int, count: int) -> struct.Struct:
+    return struct.Struct(f"{block_size}s" * count)
+
+
+def block_hashes(prompt: bytes, root: int, block_size: int, max_blocks: int) -> np.ndarray:
+    """Prefix hashes (uint64) of the first min(len // block_size, max_blocks) full blocks."""
     count = min(len(prompt) // block_size, max_blocks)
-    view = memoryview(prompt)
-    hashes = [0] * count
-    previous = root
-    for i in range(count):
-        start = i * block_size
-        previous = xxh3_64_intdigest(view[start : start + block_size], previous)
-        hashes[i] = previous
+    if count <= 0:
+        return EMPTY
+    blocks = _splitter(block_size, count).unpack_from(prompt)
+    hashes = np.fromiter(map(xxh3_64_intdigest, blocks), dtype=np.uint64, count=count)
+    hashes *= _multipliers(max(count, max_blocks))[:count]
+    hashes[0] ^= np.uint64(root)
+    np.bitwise_xor.accumulate(hashes, out=hashes)
     return hashes
 
 
 def session_blocks(
-    request: LLMRequest, hashes: list[int], block_size: int, mode: str, cold_start_blocks: int
+    request: LLMRequest, hashes: np.ndarray, block_size: int, mode: str, cold_start_blocks: int
 ) -> int:
     """How many leading blocks identify the request's session (the placement-key prefix).
 
@@ -47,7 +71,7 @@ def session_blocks(
 
 def placement_key(
     request: LLMRequest,
-    hashes: list[int],
+    hashes: np.ndarray,
     root: int,
     block_size: int,
     mode: str,
@@ -64,8 +88,8 @@ def placement_key(
         full_blocks = request.first_turn_end // block_size
         if full_blocks == 0:
             return xxh3_64_intdigest(request.prompt[: request.first_turn_end], root)
-        if hashes:
-            return hashes[min(full_blocks, len(hashes)) - 1]
-    if hashes:
-        return hashes[min(cold_start_blocks, len(hashes)) - 1]
+        if len(hashes):
+            return int(hashes[min(full_blocks, len(hashes)) - 1])
+    if len(hashes):
+        return int(hashes[min(cold_start_blocks, len(hashes)) - 1])
     return xxh3_64_intdigest(request.prompt, root)

@@ -1,21 +1,36 @@
-"""Which endpoint probably holds which prefix blocks: one bounded LRU per endpoint.
+"""Which endpoint probably holds which prefix blocks, in a fixed budget of memory.
 
-Blocks of a request are touched last-to-first, so within a chain an earlier block is always
-at least as recent as a later one and the LRU evicts chains from their tail, as vLLM does.
-Each endpoint's set therefore stays prefix-closed: if it holds block i of a chain it holds
-blocks 0..i-1, and the longest consecutive match is found by a galloping search.
+Every endpoint owns a region of one table of 4-way buckets; a slot holds a 32-bit
+fingerprint of a block's prefix hash and a 64-bit stamp of when it was last touched.
+A block of endpoint e lives in bucket ``offset_e + low32(hash) x buckets_e / 2^32``; a new block
+replaces the least recently touched slot of its bucket. An endpoint gets one slot per block
+of capacity (rounded down to whole buckets), so the index costs 12 bytes per block of
+capacity, allocated up front (64 endpoints x 100k blocks: 77 MB), where a dict-based LRU
+costs ~140.
+
+The price is approximation, in the same direction as the index already errs (it is a guess
+at the endpoint's real cache): eviction is least-recently-used within a bucket, not across
+the endpoint, so a chain can lose a middle block before its tail, and two blocks whose
+fingerprints (32 bits) and buckets agree are confused. Matching assumes prefix closure
+(an endpoint holding block i of a chain holds blocks 0..i-1, as an LRU keeps it) and finds
+each endpoint's longest run with a galloping search done for all endpoints at once, so a
+decision costs a fixed number of numpy operations whatever the endpoint count.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from dataclasses import dataclass
+from functools import lru_cache
 
-# Memory per entry of an OrderedDict[int, None] with its 64-bit int key, measured with
-# tracemalloc (tests/test_index.py checks it): 141 B at 100k entries, 127 B at 1M (the hash
-# table's fill varies). Used to report index memory without walking the index.
-_BYTES_PER_ENTRY = 140
+import numpy as np
+
+WAYS = 4
+_LOW32 = np.uint64(0xFFFFFFFF)
+_SHIFT32 = np.uint64(32)
+# Up to this many (endpoint, block) pairs a lookup checks every block (a few numpy
+# operations); beyond it, a galloping search (more operations, fewer pairs).
+_DIRECT_PAIRS = 4096
 
 
 @dataclass(frozen=True, slots=True)
@@ -26,111 +41,221 @@ class IndexStats:
     approx_bytes: int
 
 
-class EndpointBlocks:
-    """A bounded LRU set of block hashes for one endpoint."""
+@dataclass(slots=True)
+class _Region:
+    offset: int  # first bucket
+    buckets: int
+    capacity: int  # blocks, as configured
+    entries: int = 0
 
-    __slots__ = ("_blocks", "capacity")
 
-    def __init__(self, capacity: int) -> None:
-        if capacity < 1:
-            raise ValueError("capacity must be >= 1")
-        self.capacity = capacity
-        self._blocks: OrderedDict[int, None] = OrderedDict()
+def split_hashes(hashes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(fingerprints, bucket keys): the high 32 bits (never 0, which marks an empty slot)
+    and the low 32 bits of each 64-bit block hash."""
+    fingerprints = (hashes >> _SHIFT32).astype(np.uint32) | np.uint32(1)
+    return fingerprints, hashes & _LOW32
 
-    def __len__(self) -> int:
-        return len(self._blocks)
 
-    def __contains__(self, block: int) -> bool:
-        return block in self._blocks
+@lru_cache(maxsize=64)
+def _probes(count: int) -> np.ndarray:
+    """Galloping probe positions for a request of ``count`` blocks: 0, 1, 3, 7, ..., last."""
+    return np.unique(np.minimum(2 ** np.arange(count.bit_length() + 1) - 1, count - 1))
 
-    def matched_prefix(self, hashes: Sequence[int]) -> int:
-        """Length of the longest held prefix of ``hashes`` (prefix-closed, so a galloping
-        search: O(log m) lookups for a match of m blocks; most endpoints match only a
-        shared preamble of a few blocks)."""
-        blocks = self._blocks
-        count = len(hashes)
-        if not count or hashes[0] not in blocks:
-            return 0
-        low, step = 1, 1  # invariant: hashes[:low] held
-        while low < count:
-            probe = min(low + step, count)
-            if hashes[probe - 1] not in blocks:
-                high = probe - 1  # answer < probe
-                break
-            low, step = probe, step * 2
-        else:
-            return count
-        while low < high:  # answer in [low, high]
-            mid = (low + high + 1) // 2
-            if hashes[mid - 1] in blocks:
-                low = mid
-            else:
-                high = mid - 1
-        return low
 
-    def touch(self, hashes: Sequence[int]) -> None:
-        blocks = self._blocks
-        move = blocks.move_to_end
-        for block in reversed(hashes):
-            if block in blocks:
-                move(block)
-            else:
-                blocks[block] = None
-        overflow = len(blocks) - self.capacity
-        for _ in range(overflow):
-            blocks.popitem(last=False)
+def _buckets_for(capacity: int) -> int:
+    """Never more slots than blocks of capacity (but at least one bucket)."""
+    return max(1, capacity // WAYS)
 
 
 class PrefixIndex:
-    """Per-endpoint LRUs keyed by endpoint address."""
+    """Per-endpoint regions of one fingerprint table. Endpoints are known by address and by
+    position (their order in ``set_endpoints``, which the router keeps for its own arrays)."""
 
     def __init__(self) -> None:
-        self._endpoints: dict[str, EndpointBlocks] = {}
+        self._regions: dict[str, _Region] = {}
+        self._by_position: list[_Region] = []
+        self._positions: dict[str, int] = {}
+        self._offsets = np.zeros(0, dtype=np.uint64)
+        self._sizes = np.zeros(0, dtype=np.uint64)
+        self._fingerprints = np.zeros((0, WAYS), dtype=np.uint32)
+        self._stamps = np.zeros((0, WAYS), dtype=np.uint64)
+        self._clock = 1  # stamp 0 marks a never-used slot
+        self._split_of: object = None
+        self._split_value = (np.zeros(0, dtype=np.uint32), np.zeros(0, dtype=np.uint64))
 
+    # -- membership -----------------------------------------------------------------------
     def set_endpoints(self, capacities: dict[str, int]) -> None:
-        """Add new endpoints, resize kept ones, and drop the entries of removed ones."""
-        for address in list(self._endpoints):
-            if address not in capacities:
-                del self._endpoints[address]
+        """Add new endpoints, drop removed ones; an endpoint whose capacity changed starts
+        empty (a fingerprint cannot be moved to a differently sized region)."""
+        if [(a, r.capacity) for a, r in self._regions.items()] == list(capacities.items()):
+            return
         for address, capacity in capacities.items():
-            current = self._endpoints.get(address)
-            if current is None:
-                self._endpoints[address] = EndpointBlocks(capacity)
-            elif current.capacity != capacity:
-                current.capacity = capacity
-                current.touch(())  # evict down to the new size
+            if capacity < 1:
+                raise ValueError(f"capacity of {address} must be >= 1 block")
+        regions: dict[str, _Region] = {}
+        offset = 0
+        for address, capacity in capacities.items():
+            buckets = _buckets_for(capacity)
+            regions[address] = _Region(offset, buckets, capacity)
+            offset += buckets
+        fingerprints = np.zeros((offset, WAYS), dtype=np.uint32)
+        stamps = np.zeros((offset, WAYS), dtype=np.uint64)
+        for address, new in regions.items():
+            old = self._regions.get(address)
+            if old is not None and old.capacity == new.capacity:
+                source = slice(old.offset, old.offset + old.buckets)
+                target = slice(new.offset, new.offset + new.buckets)
+                fingerprints[target] = self._fingerprints[source]
+                stamps[target] = self._stamps[source]
+                new.entries = old.entries
+        self._regions = regions
+        self._by_position = list(regions.values())
+        self._positions = {a: i for i, a in enumerate(regions)}
+        self._offsets = np.array([r.offset for r in regions.values()], dtype=np.uint64)
+        self._sizes = np.array([r.buckets for r in regions.values()], dtype=np.uint64)
+        self._fingerprints, self._stamps = fingerprints, stamps
 
     def forget(self, address: str) -> None:
         """Drop everything known about one endpoint (it died or was restarted)."""
-        blocks = self._endpoints.get(address)
-        if blocks is not None:
-            self._endpoints[address] = EndpointBlocks(blocks.capacity)
+        region = self._regions.get(address)
+        if region is not None:
+            rows = slice(region.offset, region.offset + region.buckets)
+            self._fingerprints[rows] = 0
+            self._stamps[rows] = 0
+            region.entries = 0
 
-    def match(self, hashes: Sequence[int], addresses: Iterable[str]) -> dict[str, int]:
+    def capacity(self, address: str) -> int | None:
+        region = self._regions.get(address)
+        return None if region is None else region.capacity
+
+    # -- lookups --------------------------------------------------------------------------
+    def _held(
+        self, offsets: np.ndarray, sizes: np.ndarray, fingerprints: np.ndarray, keys: np.ndarray
+    ) -> np.ndarray:
+        """Whether each (endpoint region, block) pair is in the table (arrays broadcast)."""
+        # Bucket = key x buckets / 2^32: a multiply instead of a (slow) 64-bit modulo.
+        rows = (offsets + ((keys * sizes) >> _SHIFT32)).astype(np.intp)
+        slots = np.take(self._fingerprints, rows, axis=0)
+        equal = slots == fingerprints[..., None]
+        return equal.view(np.uint32)[..., 0] != 0  # any of the 4 ways (4 bools = 4 bytes)
+
+    def match_positions(self, hashes: np.ndarray, positions: np.ndarray) -> np.ndarray:
+        """Matched prefix length (blocks) of each endpoint at ``positions`` (int64 array).
+
+        Gallops over blocks 0, 1, 3, 7, ... and the last for every endpoint at once, then
+        checks every block between an endpoint's last held probe and its first missing one.
+        """
+        count, endpoints = len(hashes), len(positions)
+        if not count or not endpoints:
+            return np.zeros(endpoints, dtype=np.int64)
+        fingerprints, keys = self._split(hashes)
+        offsets = self._offsets[positions][:, None]
+        sizes = self._sizes[positions][:, None]
+        if count * endpoints <= _DIRECT_PAIRS:
+            # Small enough to look every block up for every endpoint: the run is the
+            # position of the first missing block.
+            held = self._held(offsets, sizes, fingerprints, keys)
+            return np.where(held.all(axis=1), count, held.argmin(axis=1))
+        matched = np.zeros(endpoints, dtype=np.int64)
+        probes = _probes(count)
+        held = self._held(offsets, sizes, fingerprints[probes][None, :], keys[probes][None, :])
+        runs = np.where(held.all(axis=1), len(probes), held.argmin(axis=1))
+        matched[runs == len(probes)] = count
+        partial = np.flatnonzero((runs > 0) & (runs < len(probes)))
+        if not len(partial):
+            return matched
+        first = probes[runs[partial] - 1] + 1  # blocks known held
+        stop = probes[runs[partial]]  # first probe known missing
+        matched[partial] = first
+        spans = stop - first
+        checked = np.flatnonzero(spans > 0)
+        if not len(checked):
+            return matched
+        owner, spans, stop = partial[checked], spans[checked], stop[checked]
+        starts = np.cumsum(spans) - spans
+        blocks = np.arange(int(spans.sum())) + np.repeat(first[checked] - starts, spans)
+        owners = np.repeat(owner, spans)
+        found = self._held(offsets[owners, 0], sizes[owners, 0], fingerprints[blocks], keys[blocks])
+        # Per span, the first missing block ends the run; none missing → up to ``stop``.
+        first_miss = np.minimum.reduceat(np.where(found, stop.max(), blocks), starts)
+        matched[owner] = np.minimum(first_miss, stop)
+        return matched
+
+    def _split(self, hashes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """split_hashes, remembered for the last array: a decision matches and then records
+        the same hashes."""
+        if hashes is not self._split_of:
+            self._split_of = hashes
+            self._split_value = split_hashes(np.asarray(hashes, dtype=np.uint64))
+        return self._split_value
+
+    def match(self, hashes: np.ndarray, addresses: Iterable[str]) -> dict[str, int]:
         """Matched prefix length (blocks) per endpoint, only for endpoints matching >= 1."""
-        if not hashes:
-            return {}
-        first = hashes[0]
-        matches = {}
-        for address in addresses:
-            blocks = self._endpoints.get(address)
-            if blocks is not None and first in blocks:
-                matches[address] = blocks.matched_prefix(hashes)
-        return matches
+        names = [a for a in addresses if a in self._regions]
+        positions = np.array([self._positions[a] for a in names], dtype=np.intp)
+        matched = self.match_positions(hashes, positions)
+        return {a: m for a, m in zip(names, matched.tolist(), strict=True) if m}
 
-    def record(self, address: str, hashes: Sequence[int]) -> None:
-        blocks = self._endpoints.get(address)
-        if blocks is not None and hashes:
-            blocks.touch(hashes)
+    # -- updates --------------------------------------------------------------------------
+    def record(self, address: str, hashes: np.ndarray) -> None:
+        region = self._regions.get(address)
+        if region is not None:
+            self._record(region, hashes)
 
+    def record_position(self, position: int, hashes: np.ndarray) -> None:
+        self._record(self._by_position[position], hashes)
+
+    def _record(self, region: _Region, hashes: np.ndarray) -> None:
+        """The endpoint now holds these blocks: refresh the held ones, insert the rest.
+
+        Stamps are touch order, earlier blocks of a request newer than later ones (an LRU
+        then drops a chain's tail first, as vLLM does). A new block takes an empty slot or
+        the least recently touched one in its bucket, never one this request touched.
+        """
+        count = len(hashes)
+        if not count:
+            return
+        base = self._clock
+        self._clock += count + 1
+        fingerprints, keys = self._split(hashes)
+        order = np.arange(base + count, base, -1, dtype=np.uint64)  # block 0 newest
+        rows = (np.uint64(region.offset) + ((keys * np.uint64(region.buckets)) >> _SHIFT32)).astype(
+            np.intp
+        )
+        table, stamps = self._fingerprints.reshape(-1), self._stamps.reshape(-1)  # views
+        hit = np.take(self._fingerprints, rows, axis=0) == fingerprints[:, None]
+        hit_blocks, hit_ways = np.nonzero(hit)
+        stamps[rows[hit_blocks] * WAYS + hit_ways] = order[hit_blocks]
+        pending = np.flatnonzero(hit.view(np.uint32)[:, 0] == 0)
+        protected = np.uint64(base)
+        while len(pending):
+            # One block per bucket per round, the earliest first (np.unique keeps the first
+            # index of each bucket), so a chain keeps its head when a bucket overflows.
+            pending_rows = np.sort(rows[pending])
+            if len(pending) == 1 or (pending_rows[1:] != pending_rows[:-1]).all():
+                first = np.arange(len(pending))  # no two in one bucket: one round
+            else:
+                _, first = np.unique(rows[pending], return_index=True)
+            now = pending[first]
+            now_rows = rows[now]
+            ages = np.take(self._stamps, now_rows, axis=0)
+            free = ages.min(axis=1) <= protected
+            slots = now_rows * WAYS + ages.argmin(axis=1)
+            if not free.all():
+                now, slots = now[free], slots[free]
+            region.entries += int(np.count_nonzero(table[slots] == 0))
+            table[slots] = fingerprints[now]
+            stamps[slots] = order[now]
+            pending = np.delete(pending, first) if len(first) < len(pending) else pending[:0]
+
+    # -- reporting ------------------------------------------------------------------------
     def entries_by_endpoint(self) -> dict[str, int]:
-        return {address: len(blocks) for address, blocks in self._endpoints.items()}
+        return {address: region.entries for address, region in self._regions.items()}
 
     def stats(self) -> IndexStats:
-        entries = sum(len(b) for b in self._endpoints.values())
         return IndexStats(
-            endpoints=len(self._endpoints),
-            entries=entries,
-            capacity=sum(b.capacity for b in self._endpoints.values()),
-            approx_bytes=entries * _BYTES_PER_ENTRY,
+            endpoints=len(self._regions),
+            entries=sum(r.entries for r in self._regions.values()),
+            capacity=sum(r.capacity for r in self._regions.values()),
+            approx_bytes=self._fingerprints.nbytes + self._stamps.nbytes,
         )

@@ -12,7 +12,8 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+
+import numpy as np
 
 from .config import EndpointConfig, RoutingConfig
 from .hashing import block_hashes, placement_key, root_hash, session_blocks
@@ -22,7 +23,7 @@ from .scheduler import (
     RULE_NO_ENDPOINT,
     CostModel,
     Decision,
-    EndpointView,
+    EndpointTable,
     Scheduler,
     address_hash,
 )
@@ -30,25 +31,10 @@ from .scheduler import (
 log = logging.getLogger(__name__)
 
 
-@dataclass(slots=True)
-class EndpointState:
-    address: str
-    weight: float
-    capacity_blocks: int
-    address_hash: int
-    in_flight: int = 0
-    healthy: bool = True
-    # Estimated prefill work queued here (token-equivalents) as of ``work_at`` (clock time).
-    work: float = 0.0
-    work_at: float = 0.0
-    # From the endpoint's own /metrics (signals.py); None/False when unknown or unreachable.
-    reported_load: float | None = None
-    saturated: bool = False
-    # capacity_tokens came from the config, so a scraped KV size must not override it.
-    capacity_configured: bool = False
-
-
 class Router:
+    """Endpoint state lives in arrays (one entry per endpoint, in ``endpoints`` order, the
+    same order as the index's regions), so a decision never loops over endpoints in Python."""
+
     def __init__(
         self,
         config: RoutingConfig,
@@ -61,7 +47,21 @@ class Router:
         self.clock = clock
         self.scheduler = Scheduler(config, self.cost)
         self.index = PrefixIndex()
-        self._endpoints: dict[str, EndpointState] = {}
+        self._addresses: list[str] = []
+        self._position: dict[str, int] = {}
+        self._weight = np.zeros(0)
+        self._address_hash = np.zeros(0, dtype=np.uint64)
+        self._capacity_blocks: list[int] = []
+        # capacity_tokens came from the config, so a scraped KV size must not override it.
+        self._capacity_configured: list[bool] = []
+        self._in_flight = np.zeros(0, dtype=np.int64)
+        self._healthy = np.zeros(0, dtype=bool)
+        # Estimated prefill work queued (token-equivalents) as of ``_work_at`` (clock time).
+        self._work = np.zeros(0)
+        self._work_at = np.zeros(0)
+        # From the endpoint's own /metrics (signals.py); NaN/False when unknown or unreachable.
+        self._reported_load = np.zeros(0)
+        self._saturated = np.zeros(0, dtype=bool)
         self.set_endpoints(endpoints)
 
     # -- endpoint set -------------------------------------------------------------------
@@ -71,19 +71,36 @@ class Router:
 
     def set_endpoints(self, endpoints: Sequence[EndpointConfig]) -> None:
         """Replace the endpoint set; keeps load and index of endpoints that stay."""
-        fresh: dict[str, EndpointState] = {}
-        for e in endpoints:
-            state = self._endpoints.get(e.address)
+        addresses = [e.address for e in endpoints]
+        keep = [self._position.get(a, -1) for a in addresses]
+        capacities, configured = [], []
+        for e, old in zip(endpoints, keep, strict=True):
             capacity = self.capacity_blocks(e.capacity_tokens)
-            if state is None:
-                state = EndpointState(e.address, e.weight, capacity, address_hash(e.address))
-            elif e.capacity_tokens is not None or state.capacity_configured:
-                state.capacity_blocks = capacity  # else keep a size learned from the endpoint
-            state.weight = e.weight
-            state.capacity_configured = e.capacity_tokens is not None
-            fresh[e.address] = state
-        self._endpoints = fresh
-        self.index.set_endpoints({a: s.capacity_blocks for a, s in fresh.items()})
+            if old >= 0 and e.capacity_tokens is None and not self._capacity_configured[old]:
+                capacity = self._capacity_blocks[old]  # keep a size learned from the endpoint
+            capacities.append(capacity)
+            configured.append(e.capacity_tokens is not None)
+
+        def carried(values: np.ndarray, default: float | bool, dtype: type) -> np.ndarray:
+            out = np.full(len(addresses), default, dtype=dtype)
+            for i, old in enumerate(keep):
+                if old >= 0:
+                    out[i] = values[old]
+            return out
+
+        self._in_flight = carried(self._in_flight, 0, np.int64)
+        self._healthy = carried(self._healthy, True, bool)
+        self._work = carried(self._work, 0.0, np.float64)
+        self._work_at = carried(self._work_at, 0.0, np.float64)
+        self._reported_load = carried(self._reported_load, np.nan, np.float64)
+        self._saturated = carried(self._saturated, False, bool)
+        self._weight = np.array([float(e.weight) for e in endpoints], dtype=np.float64)
+        self._address_hash = np.array([address_hash(a) for a in addresses], dtype=np.uint64)
+        self._addresses = addresses
+        self._position = {a: i for i, a in enumerate(addresses)}
+        self._capacity_blocks = capacities
+        self._capacity_configured = configured
+        self.index.set_endpoints(dict(zip(addresses, capacities, strict=True)))
 
     def observe_signals(
         self,
@@ -99,85 +116,98 @@ class Router:
         requests queued in the server); a KV cache nearly full of running requests takes no
         new ones while another endpoint can; the KV size sizes the index when the config did
         not. ``up=False`` (scrape failed) falls back to in-flight counts only."""
-        state = self._endpoints.get(address)
-        if state is None:
+        i = self._position.get(address)
+        if i is None:
             return
         if not up:
-            state.reported_load, state.saturated = None, False
+            self._reported_load[i], self._saturated[i] = np.nan, False
             return
         known = [v for v in (running, waiting) if v is not None]
-        state.reported_load = sum(known) if known else None
-        state.saturated = kv_usage is not None and kv_usage >= self.config.kv_saturated_fraction
-        if kv_capacity_tokens and not state.capacity_configured:
+        self._reported_load[i] = sum(known) if known else np.nan
+        self._saturated[i] = kv_usage is not None and kv_usage >= self.config.kv_saturated_fraction
+        if kv_capacity_tokens and not self._capacity_configured[i]:
             blocks = self.capacity_blocks(kv_capacity_tokens)
-            if blocks != state.capacity_blocks:
-                state.capacity_blocks = blocks
-                self.index.set_endpoints({a: e.capacity_blocks for a, e in self._endpoints.items()})
+            if blocks != self._capacity_blocks[i]:
+                self._capacity_blocks[i] = blocks
+                self.index.set_endpoints(
+                    dict(zip(self._addresses, self._capacity_blocks, strict=True))
+                )
 
     @property
     def endpoints(self) -> list[str]:
-        return list(self._endpoints)
+        return list(self._addresses)
 
     def is_member(self, address: str) -> bool:
-        return address in self._endpoints
+        return address in self._position
 
     def set_health(self, address: str, healthy: bool) -> None:
-        state = self._endpoints.get(address)
-        if state is None or state.healthy == healthy:
+        i = self._position.get(address)
+        if i is None or bool(self._healthy[i]) == healthy:
             return
-        state.healthy = healthy
+        self._healthy[i] = healthy
         if not healthy:
             # A restarted server comes back with an empty cache: forget what it held.
             self.index.forget(address)
         log.warning("endpoint %s is now %s", address, "healthy" if healthy else "unhealthy")
 
     def healthy_endpoints(self) -> list[str]:
-        return [a for a, s in self._endpoints.items() if s.healthy]
+        return [a for a, ok in zip(self._addresses, self._healthy.tolist(), strict=True) if ok]
 
     def in_flight(self) -> dict[str, int]:
-        return {a: s.in_flight for a, s in self._endpoints.items()}
+        return dict(zip(self._addresses, self._in_flight.tolist(), strict=True))
 
     def queued_work(self) -> dict[str, float]:
         """Estimated prefill work queued per endpoint now (token-equivalents)."""
-        now = self.clock()
-        return {a: self._drain(s, now) for a, s in self._endpoints.items()}
+        self._drain_all(self.clock())
+        return dict(zip(self._addresses, self._work.tolist(), strict=True))
 
     def index_stats(self) -> IndexStats:
         return self.index.stats()
 
-    def _drain(self, state: EndpointState, now: float) -> float:
+    # -- queued work ----------------------------------------------------------------------
+    def _drain_all(self, now: float) -> None:
         rate = self.cost.drain_per_second
-        if rate > 0 and state.work > 0:
-            state.work = max(0.0, state.work - rate * max(0.0, now - state.work_at))
-        if state.in_flight == 0:
-            state.work = 0.0
-        state.work_at = now
-        return state.work
+        if rate > 0:
+            elapsed = np.maximum(0.0, now - self._work_at)
+            np.maximum(0.0, self._work - rate * elapsed, out=self._work)
+        self._work[self._in_flight == 0] = 0.0
+        self._work_at.fill(now)
 
-    def _charge(self, state: EndpointState, decision: Decision, now: float) -> None:
+    def _drain(self, i: int, now: float) -> float:
+        """``_drain_all`` for one endpoint (the same arithmetic)."""
+        rate = self.cost.drain_per_second
+        work = float(self._work[i])
+        if rate > 0 and work > 0:
+            work = max(0.0, work - rate * max(0.0, now - float(self._work_at[i])))
+        if self._in_flight[i] == 0:
+            work = 0.0
+        self._work[i], self._work_at[i] = work, now
+        return work
+
+    def _charge(self, i: int, decision: Decision, now: float) -> None:
         decision.work_released = False
-        decision.queued_before = self._drain(state, now)
+        decision.queued_before = self._drain(i, now)
         decision.charged_at = now
-        state.work += decision.work
-        state.in_flight += 1
+        self._work[i] += decision.work
+        self._in_flight[i] += 1
 
-    def _release_work(self, state: EndpointState, decision: Decision, now: float) -> None:
+    def _release_work(self, i: int, decision: Decision, now: float) -> None:
         """Take back what is left of the request's charge (FIFO: work queued before it
         drains first)."""
         if decision.work_released:
             return
         decision.work_released = True
-        self._drain(state, now)
+        self._drain(i, now)
         drained = self.cost.drain_per_second * max(0.0, now - decision.charged_at)
         left = min(decision.work, max(0.0, decision.work + decision.queued_before - drained))
-        state.work = max(0.0, state.work - left)
+        self._work[i] = max(0.0, float(self._work[i]) - left)
 
-    def _uncharge(self, state: EndpointState, decision: Decision, now: float) -> None:
-        self._release_work(state, decision, now)
-        if state.in_flight > 0:
-            state.in_flight -= 1
-        if state.in_flight == 0:
-            state.work = 0.0
+    def _uncharge(self, i: int, decision: Decision, now: float) -> None:
+        self._release_work(i, decision, now)
+        if self._in_flight[i] > 0:
+            self._in_flight[i] -= 1
+        if self._in_flight[i] == 0:
+            self._work[i] = 0.0
 
     # -- decisions ----------------------------------------------------------------------
     def route(self, request: LLMRequest, allowed: frozenset[str] | None = None) -> Decision:
@@ -189,27 +219,28 @@ class Router:
             request, hashes, root, cfg.block_size_bytes, cfg.cold_start_key, cfg.cold_start_blocks
         )
         now = self.clock()
-        views = [
-            EndpointView(
-                s.address,
-                float(
-                    s.in_flight if s.reported_load is None else max(s.in_flight, s.reported_load)
-                ),
-                s.weight,
-                s.address_hash,
-                self._drain(s, now),
-                s.saturated,
+        self._drain_all(now)
+        usable = self._healthy
+        if allowed is not None:
+            usable = usable & np.fromiter(
+                (a in allowed for a in self._addresses), dtype=bool, count=len(self._addresses)
             )
-            for s in self._endpoints.values()
-            if s.healthy and (allowed is None or s.address in allowed)
-        ]
-        matches = self.index.match(hashes, (v.address for v in views))
+        positions = np.flatnonzero(usable)
+        addresses = self._addresses
+        table = EndpointTable(
+            addresses=[addresses[i] for i in positions.tolist()],
+            load=np.fmax(self._in_flight[positions], self._reported_load[positions]),
+            work=self._work[positions],
+            matched=self.index.match_positions(hashes, positions),
+            weight=self._weight[positions],
+            address_hash=self._address_hash[positions],
+            saturated=self._saturated[positions],
+        )
         session = session_blocks(
             request, hashes, cfg.block_size_bytes, cfg.cold_start_key, cfg.cold_start_blocks
         )
         decision = self.scheduler.pick(
-            views,
-            matches,
+            table,
             len(hashes),
             key,
             session,
@@ -218,16 +249,17 @@ class Router:
         )
         decision.hashes = hashes
         if decision.endpoint is not None:
-            self.index.record(decision.endpoint, hashes)
-            self._charge(self._endpoints[decision.endpoint], decision, now)
+            chosen = self._position[decision.endpoint]
+            self.index.record_position(chosen, hashes)
+            self._charge(chosen, decision, now)
         return decision
 
     def finish(self, decision: Decision) -> None:
         if decision.rule == RULE_NO_ENDPOINT or decision.endpoint is None:
             return
-        state = self._endpoints.get(decision.served or decision.endpoint)
-        if state is not None:
-            self._uncharge(state, decision, self.clock())
+        i = self._position.get(decision.served or decision.endpoint)
+        if i is not None:
+            self._uncharge(i, decision, self.clock())
 
     def prefill_done(self, decision: Decision) -> None:
         """The endpoint has answered (its first byte reached Envoy): the request's prefill is
@@ -237,9 +269,9 @@ class Router:
         after this answer always finds the charge released."""
         if decision.rule == RULE_NO_ENDPOINT or decision.endpoint is None:
             return
-        state = self._endpoints.get(decision.served or decision.endpoint)
-        if state is not None:
-            self._release_work(state, decision, self.clock())
+        i = self._position.get(decision.served or decision.endpoint)
+        if i is not None:
+            self._release_work(i, decision, self.clock())
 
     def served(self, decision: Decision, served_address: str) -> bool:
         """Envoy reports where the request really went; move the load and learn the blocks.
@@ -247,10 +279,11 @@ class Router:
         Returns True when the report differed from the decision and was applied.
         """
         current = decision.served or decision.endpoint
-        if served_address == current or served_address not in self._endpoints:
+        i = self._position.get(served_address)
+        if served_address == current or i is None:
             return False
         self.finish(decision)
         decision.served = served_address
-        self._charge(self._endpoints[served_address], decision, self.clock())
-        self.index.record(served_address, decision.hashes)
+        self._charge(i, decision, self.clock())
+        self.index.record_position(i, decision.hashes)
         return True

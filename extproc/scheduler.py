@@ -47,6 +47,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 from xxhash import xxh3_64_intdigest
 
 from .config import RoutingConfig
@@ -58,26 +59,59 @@ RULE_NO_ENDPOINT = "no_endpoint"
 
 
 @dataclass(frozen=True, slots=True)
-class EndpointView:
-    """What the scheduler needs to know about one endpoint at decision time."""
+class EndpointTable:
+    """What the scheduler needs to know about the candidate endpoints at decision time, one
+    array entry per endpoint: the whole decision is a fixed number of numpy operations,
+    whatever the endpoint count (bench core: 64 and 512 endpoints)."""
 
-    address: str
-    load: float
-    weight: float = 1.0
-    # xxh3 of the address, precomputed once per endpoint for rendezvous hashing.
-    address_hash: int = 0
-    # Prefill work queued on this endpoint (token-equivalents, see CostModel).
-    work: float = 0.0
-    # Its KV cache is (nearly) full of running requests, as the endpoint reports.
-    saturated: bool = False
+    addresses: Sequence[str]
+    load: np.ndarray  # float64: in-flight requests (or the endpoint's own count, if higher)
+    work: np.ndarray  # float64: prefill work queued there (token-equivalents, see CostModel)
+    matched: np.ndarray  # int64: blocks of this request's prefix it probably holds
+    weight: np.ndarray | None = None  # float64; None = all 1
+    # uint64 xxh3 of each address (address_hash), for rendezvous hashing.
+    address_hash: np.ndarray | None = None
+    # bool: its KV cache is (nearly) full of running requests, as the endpoint reports.
+    saturated: np.ndarray | None = None
+
+    @classmethod
+    def of(
+        cls,
+        addresses: Sequence[str],
+        load: Sequence[float] | None = None,
+        work: Sequence[float] | None = None,
+        matched: dict[str, int] | None = None,
+        **arrays: Any,
+    ) -> EndpointTable:
+        """From plain values (tests, small tools); the router builds arrays directly."""
+        count = len(addresses)
+        return cls(
+            addresses=list(addresses),
+            load=np.asarray(load if load is not None else [0.0] * count, dtype=np.float64),
+            work=np.asarray(work if work is not None else [0.0] * count, dtype=np.float64),
+            matched=np.array([(matched or {}).get(a, 0) for a in addresses], dtype=np.int64),
+            address_hash=np.array([address_hash(a) for a in addresses], dtype=np.uint64),
+            **{k: np.asarray(v) for k, v in arrays.items()},
+        )
 
 
 def address_hash(address: str) -> int:
     return xxh3_64_intdigest(address.encode())
 
 
-def rendezvous_score(key: int, endpoint_hash: int) -> int:
-    return xxh3_64_intdigest(endpoint_hash.to_bytes(8, "little"), key)
+_MIX1 = np.uint64(0xBF58476D1CE4E5B9)
+_MIX2 = np.uint64(0x94D049BB133111EB)
+_S30, _S27, _S31 = np.uint64(30), np.uint64(27), np.uint64(31)
+
+
+def rendezvous_scores(key: int, address_hashes: np.ndarray) -> np.ndarray:
+    """Rendezvous (highest random weight) score of every endpoint for ``key``: the splitmix64
+    finaliser of key XOR the endpoint's address hash, a well-mixed 64-bit value that every
+    router replica computes alike."""
+    z = address_hashes ^ np.uint64(key)
+    z = (z ^ (z >> _S30)) * _MIX1
+    z = (z ^ (z >> _S27)) * _MIX2
+    return z ^ (z >> _S31)
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,29 +150,33 @@ class CostModel:
         new = max(1.0, tokens - cached)
         return self.base_tokens + new + self.ctx_factor * new * (tokens - new / 2)
 
+    def prefill_many(self, tokens: float, cached: np.ndarray) -> np.ndarray:
+        """``prefill`` for an array of cached token counts."""
+        new = np.maximum(1.0, tokens - cached)
+        return self.base_tokens + new + self.ctx_factor * new * (tokens - new / 2)
+
 
 @dataclass(slots=True)
-class Candidate:
-    address: str
-    matched_blocks: int
-    load: float
-    cap: float
-    eligible: bool
-    score: float
-    rendezvous: int
-    work: float = 0.0
-    cost: float = 0.0
+class _Ranking:
+    """The scheduler's per-endpoint figures, kept to explain a decision on demand."""
 
-    def explain(self) -> dict[str, Any]:
+    table: EndpointTable
+    cap: np.ndarray
+    eligible: np.ndarray
+    score: np.ndarray
+    cost: np.ndarray
+    order: np.ndarray
+
+    def candidate(self, i: int) -> dict[str, Any]:
         return {
-            "endpoint": self.address,
-            "matched_blocks": self.matched_blocks,
-            "load": self.load,
-            "load_cap": round(self.cap, 3),
-            "eligible": self.eligible,
-            "score": round(self.score, 4),
-            "queued_work": round(self.work),
-            "est_cost": round(self.cost),
+            "endpoint": self.table.addresses[i],
+            "matched_blocks": int(self.table.matched[i]),
+            "load": float(self.table.load[i]),
+            "load_cap": round(float(self.cap[i]), 3),
+            "eligible": bool(self.eligible[i]),
+            "score": round(float(self.score[i]), 4),
+            "queued_work": round(float(self.table.work[i])),
+            "est_cost": round(float(self.cost[i])),
         }
 
 
@@ -150,9 +188,8 @@ class Decision:
     total_blocks: int = 0
     matched_blocks: int = 0
     placement_key: int = 0
-    candidates: list[Candidate] = field(default_factory=list)
     # Kept for correcting the index if Envoy reports another served endpoint.
-    hashes: Sequence[int] = ()
+    hashes: Sequence[int] | np.ndarray = ()
     # Where Envoy says the request really went, when that differs from ``endpoint``.
     served: str | None = None
     # Estimated prompt tokens and the prefill work charged to the endpoint (token-equivalents).
@@ -163,11 +200,12 @@ class Decision:
     queued_before: float = 0.0
     # The endpoint answered (first byte): the prefill work charge was taken back already.
     work_released: bool = False
+    ranking: _Ranking | None = None
 
     def explain(self, top_k: int | None = None) -> dict[str, Any]:
-        ranked = sorted(self.candidates, key=_rank_key)
-        if top_k is not None:
-            ranked = ranked[:top_k]
+        """Candidates best first (top_k of them), with the figures they were ranked by."""
+        ranking = self.ranking
+        order = [] if ranking is None else ranking.order[:top_k].tolist()
         return {
             "endpoint": self.endpoint,
             "served": self.served,
@@ -178,12 +216,8 @@ class Decision:
             "placement_key": f"{self.placement_key:016x}",
             "prompt_tokens": round(self.prompt_tokens),
             "work": round(self.work),
-            "candidates": [c.explain() for c in ranked],
+            "candidates": [ranking.candidate(i) for i in order] if ranking else [],
         }
-
-
-def _rank_key(candidate: Candidate) -> tuple[bool, float, int]:
-    return (not candidate.eligible, -candidate.score, -candidate.rendezvous)
 
 
 class Scheduler:
@@ -193,8 +227,7 @@ class Scheduler:
 
     def pick(
         self,
-        endpoints: Sequence[EndpointView],
-        matches: dict[str, int],
+        table: EndpointTable,
         total_blocks: int,
         key: int,
         session_blocks: int = 0,
@@ -204,7 +237,8 @@ class Scheduler:
         """``prompt_tokens`` defaults to ``total_blocks`` x ``block_tokens``."""
         if prompt_tokens is None:
             prompt_tokens = total_blocks * block_tokens
-        if not endpoints:
+        count = len(table.addresses)
+        if not count:
             return Decision(
                 None,
                 RULE_NO_ENDPOINT,
@@ -214,32 +248,21 @@ class Scheduler:
             )
         cfg, model = self.config, self.cost
         n = prompt_tokens
-        total_load = sum(e.load for e in endpoints) + 1
-        total_weight = sum(e.weight for e in endpoints)
-        candidates = []
-        for e in endpoints:
-            share = total_load * e.weight / total_weight
-            cap = max((1 + cfg.load_epsilon) * share, share + cfg.load_slack)
-            matched = matches.get(e.address, 0)
-            candidates.append(
-                Candidate(
-                    address=e.address,
-                    matched_blocks=matched,
-                    load=e.load,
-                    cap=cap,
-                    eligible=e.load + 1 <= cap and not e.saturated,
-                    score=0.0,
-                    rendezvous=rendezvous_score(key, e.address_hash),
-                    work=e.work,
-                    cost=e.work + model.prefill(n, min(n, matched * block_tokens)),
-                )
-            )
-        if not any(c.eligible for c in candidates):
-            for c in candidates:
-                c.eligible = True
-        eligible = [c for c in candidates if c.eligible]
+        load, work, matched = table.load, table.work, table.matched
+        weight = table.weight if table.weight is not None else np.ones(count)
+        # Guard: at most (1+eps) x the weighted share of the load (or share + slack).
+        share = (float(load.sum()) + 1) / float(weight.sum()) * weight
+        cap = np.maximum((1 + cfg.load_epsilon) * share, share + cfg.load_slack)
+        eligible = load + 1 <= cap
+        if table.saturated is not None:
+            eligible &= ~table.saturated
+        if not eligible.any():
+            eligible = np.ones(count, dtype=bool)
+        cached = np.minimum(n, matched * block_tokens)
+        cost = work + model.prefill_many(n, cached)
+        rendezvous = rendezvous_scores(key, table.address_hash)
 
-        best_eligible_match = max(c.matched_blocks for c in eligible)
+        best_eligible_match = int(matched[eligible].max())
         # Holding the session prefix, or a shared prefix that is most of the prompt (a long
         # document or system prompt before a short question): following the latter saves
         # most of the prefill, and spreading such requests would copy it to every endpoint.
@@ -249,33 +272,31 @@ class Scheduler:
         )
         if best_eligible_match >= needed and total_blocks:
             best_tokens = min(n, best_eligible_match * block_tokens)
-            for c in candidates:
-                lacking = max(0.0, best_tokens - min(n, c.matched_blocks * block_tokens))
-                c.score = -(c.cost + model.stickiness * lacking)
-            ranked = sorted(candidates, key=_rank_key)
-            chosen = ranked[0]
-            best_overall = max(c.matched_blocks for c in candidates)
-            rule = RULE_LOAD_GUARD if best_overall > chosen.matched_blocks else RULE_AFFINITY
+            score = -(cost + model.stickiness * np.maximum(0.0, best_tokens - cached))
+            # Eligible first, then the highest score, then the rendezvous order.
+            order = np.lexsort((~rendezvous, -score, ~eligible))
+            chosen = int(order[0])
+            rule = RULE_LOAD_GUARD if matched.max() > matched[chosen] else RULE_AFFINITY
         else:
             # Cold start: rendezvous order among the endpoints whose cost is within the
             # margin of the cheapest, so replicas agree unless the top one is overloaded.
             # Queued work only: a cheaper prefill where a shared preamble is held must not
             # pull new sessions onto the holders (the herding described above).
-            limit = min(c.work for c in eligible) + model.cold_margin * model.prefill(n, 0)
-            for c in candidates:
-                c.score = 1.0 if c.work <= limit else 0.0
-            ranked = sorted(candidates, key=_rank_key)
-            chosen = ranked[0]
-            skipped = any(not c.eligible and c.matched_blocks >= needed for c in candidates)
+            limit = float(work[eligible].min()) + model.cold_margin * model.prefill(n, 0)
+            score = (work <= limit).astype(np.float64)
+            order = np.lexsort((~rendezvous, -score, ~eligible))
+            chosen = int(order[0])
+            skipped = bool((~eligible & (matched >= needed)).any())
             rule = RULE_LOAD_GUARD if skipped else RULE_COLD_START
+        addresses = table.addresses
         return Decision(
-            endpoint=chosen.address,
+            endpoint=addresses[chosen],
             rule=rule,
-            fallbacks=[c.address for c in ranked[1 : 1 + cfg.fallbacks]],
+            fallbacks=[addresses[i] for i in order[1 : 1 + cfg.fallbacks].tolist()],
             total_blocks=total_blocks,
-            matched_blocks=chosen.matched_blocks,
+            matched_blocks=int(matched[chosen]),
             placement_key=key,
-            candidates=candidates,
             prompt_tokens=n,
-            work=chosen.cost - chosen.work,
+            work=float(cost[chosen] - work[chosen]),
+            ranking=_Ranking(table, cap, eligible, score, cost, order),
         )

@@ -1,4 +1,4 @@
-"""Block hashes: stable, chained, seeded by model and salt, capped."""
+"""Block hashes: stable, prefix-identifying, seeded by model and salt, capped."""
 
 from extproc.hashing import block_hashes, placement_key, root_hash
 from extproc.prompt import LLMRequest
@@ -7,9 +7,10 @@ from extproc.prompt import LLMRequest
 def test_hashes_are_stable_across_calls_and_processes():
     # Fixed value: a change here silently invalidates every deployed index.
     assert root_hash("m", "") == root_hash("m")
-    assert block_hashes(b"a" * 128, root_hash("m"), 64, 10) == block_hashes(
-        b"a" * 128, root_hash("m"), 64, 10
-    )
+    assert block_hashes(b"a" * 128, root_hash("m"), 64, 10).tolist() == [
+        17616319852280181250,
+        10351618823602915694,
+    ]
     assert len({root_hash("m"), root_hash("n"), root_hash("m", "salt")}) == 3
 
 
@@ -17,26 +18,46 @@ def test_equal_prefixes_share_leading_hashes_only():
     root = root_hash("m")
     a = block_hashes(b"x" * 64 + b"y" * 64 + b"z" * 64, root, 64, 10)
     b = block_hashes(b"x" * 64 + b"y" * 64 + b"w" * 64, root, 64, 10)
-    assert a[:2] == b[:2] and a[2] != b[2]
+    assert a[:2].tolist() == b[:2].tolist() and a[2] != b[2]
 
 
-def test_chain_makes_position_matter():
+def test_position_and_history_matter():
     root = root_hash("m")
     a = block_hashes(b"x" * 64 + b"y" * 64, root, 64, 10)
     b = block_hashes(b"y" * 64 + b"y" * 64, root, 64, 10)
+    c = block_hashes(b"y" * 64 + b"x" * 64, root, 64, 10)
     assert a[1] != b[1]  # same block content, different history
+    assert a[1] != c[1]  # the same blocks in another order
+    assert b[0] != b[1]  # a repeated block is not the same prefix
+
+
+def test_hashes_agree_with_their_definition():
+    from xxhash import xxh3_64_intdigest
+
+    from extproc.hashing import _multipliers
+
+    prompt = bytes(range(256)) * 3
+    root = root_hash("m", "salt")
+    expected, value = [], root
+    for i in range(len(prompt) // 64):
+        block = xxh3_64_intdigest(prompt[i * 64 : (i + 1) * 64])
+        value ^= (block * int(_multipliers(1024)[i])) % 2**64
+        expected.append(value)
+    assert block_hashes(prompt, root, 64, 1024).tolist() == expected
+    assert block_hashes(prompt, root, 64, 5).tolist() == expected[:5]
 
 
 def test_only_full_blocks_and_the_cap():
     root = root_hash("m")
-    assert block_hashes(b"x" * 63, root, 64, 10) == []
+    assert block_hashes(b"x" * 63, root, 64, 10).tolist() == []
     assert len(block_hashes(b"x" * 130, root, 64, 10)) == 2
     assert len(block_hashes(b"x" * 6400, root, 64, 10)) == 10
 
 
 def test_models_never_share_blocks():
-    assert block_hashes(b"x" * 64, root_hash("a"), 64, 1) != block_hashes(
-        b"x" * 64, root_hash("b"), 64, 1
+    assert (
+        block_hashes(b"x" * 64, root_hash("a"), 64, 1)[0]
+        != block_hashes(b"x" * 64, root_hash("b"), 64, 1)[0]
     )
 
 

@@ -1,99 +1,131 @@
-"""Per-endpoint LRU index: longest consecutive prefix, bounds, eviction from the tail."""
+"""The fingerprint-table index: longest prefix per endpoint, bounds, eviction, memory."""
 
-from extproc.index import EndpointBlocks, PrefixIndex
+import random
+
+import numpy as np
+import pytest
+
+from extproc.index import WAYS, PrefixIndex
+
+
+def chain(rng: random.Random, length: int) -> np.ndarray:
+    return np.array([rng.getrandbits(64) for _ in range(length)], dtype=np.uint64)
+
+
+def one(capacity: int) -> PrefixIndex:
+    index = PrefixIndex()
+    index.set_endpoints({"a": capacity})
+    return index
 
 
 def test_matched_prefix_is_longest_consecutive_run():
-    blocks = EndpointBlocks(100)
-    blocks.touch([1, 2, 3, 4])
-    assert blocks.matched_prefix([1, 2, 3, 4, 5, 6]) == 4
-    assert blocks.matched_prefix([1, 2, 9]) == 2
-    assert blocks.matched_prefix([9, 1, 2]) == 0
-    assert blocks.matched_prefix([]) == 0
+    rng = random.Random(1)
+    blocks = chain(rng, 6)
+    index = one(1000)
+    index.record("a", blocks[:4])
+    assert index.match(blocks, ["a"]) == {"a": 4}
+    assert index.match(np.concatenate([blocks[:2], chain(rng, 1)]), ["a"]) == {"a": 2}
+    assert index.match(np.concatenate([chain(rng, 1), blocks[:2]]), ["a"]) == {}
+    assert index.match(blocks[:0], ["a"]) == {}
 
 
-def test_capacity_is_respected_and_tails_are_evicted_first():
-    blocks = EndpointBlocks(5)
-    blocks.touch([1, 2, 3, 4])
-    blocks.touch([1, 2, 7, 8])  # shared head 1,2 becomes most recent
-    assert len(blocks) == 5
-    # The old chain lost its tail (4, then 3), never its head.
-    assert blocks.matched_prefix([1, 2, 3, 4]) == 3
-    assert blocks.matched_prefix([1, 2, 7, 8]) == 4
-    assert 4 not in blocks
+def test_a_full_bucket_evicts_its_least_recent_block_and_chains_lose_their_tail_first():
+    rng = random.Random(2)
+    index = one(WAYS)  # a single bucket: exact LRU
+    old, new = chain(rng, 4), chain(rng, 2)
+    index.record("a", old)
+    index.record("a", np.concatenate([old[:2], new]))  # the shared head becomes most recent
+    assert index.stats().entries == WAYS
+    assert index.match(old, ["a"]) == {"a": 2}  # its tail (old[3], then old[2]) went
+    assert index.match(np.concatenate([old[:2], new]), ["a"]) == {"a": 4}
 
 
-def test_index_stays_prefix_closed_under_heavy_eviction():
-    import random
+def test_a_request_never_evicts_its_own_blocks():
+    rng = random.Random(3)
+    index = one(WAYS)
+    long_chain = chain(rng, 10)  # more blocks than the one bucket has slots
+    index.record("a", long_chain)
+    assert index.match(long_chain, ["a"]) == {"a": WAYS}  # the head is kept, not the tail
 
+
+def test_entries_never_exceed_capacity_and_the_latest_chain_is_held():
     rng = random.Random(7)
-    blocks = EndpointBlocks(50)
-    chains = [[rng.getrandbits(64) for _ in range(rng.randint(1, 30))] for _ in range(40)]
-    for _ in range(500):
-        chain = rng.choice(chains)
-        blocks.touch(chain[: rng.randint(1, len(chain))])
-        assert len(blocks) <= 50
-        for c in chains:
-            held = [h in blocks for h in c]
-            # prefix-closed: once a block is missing, every later one is missing too
-            assert held == sorted(held, reverse=True)
+    index = one(400)
+    chains = [chain(rng, rng.randint(1, 30)) for _ in range(60)]
+    for _ in range(1500):
+        c = rng.choice(chains)
+        held = c[: rng.randint(1, len(c))]
+        index.record("a", held)
+        assert index.stats().entries <= 400
+        assert index.match(held, ["a"]) == {"a": len(held)}
+    assert index.stats().entries > 0.9 * 400  # the table fills before it evicts
 
 
 def test_index_matches_per_endpoint_and_forgets():
+    rng = random.Random(4)
+    blocks = chain(rng, 3)
     index = PrefixIndex()
-    index.set_endpoints({"a": 10, "b": 10})
-    index.record("a", [1, 2, 3])
-    index.record("b", [1])
-    assert index.match([1, 2, 3], ["a", "b"]) == {"a": 3, "b": 1}
-    assert index.match([1, 2, 3], ["b"]) == {"b": 1}
+    index.set_endpoints({"a": 100, "b": 100})
+    index.record("a", blocks)
+    index.record("b", blocks[:1])
+    assert index.match(blocks, ["a", "b"]) == {"a": 3, "b": 1}
+    assert index.match(blocks, ["b"]) == {"b": 1}
     index.forget("a")
-    assert index.match([1, 2, 3], ["a", "b"]) == {"b": 1}
-    index.record("unknown", [1])  # ignored, never grows an entry for a non-member
+    assert index.match(blocks, ["a", "b"]) == {"b": 1}
+    assert index.entries_by_endpoint() == {"a": 0, "b": 1}
+    index.record("unknown", blocks)  # ignored, never grows an entry for a non-member
+    assert index.match(blocks, ["unknown"]) == {}
     assert index.stats().endpoints == 2
 
 
-def test_set_endpoints_drops_removed_and_resizes():
+def test_set_endpoints_keeps_unchanged_drops_removed_and_empties_resized():
+    rng = random.Random(5)
+    blocks = chain(rng, 10)
     index = PrefixIndex()
-    index.set_endpoints({"a": 10, "b": 10})
-    index.record("a", list(range(10)))
-    index.set_endpoints({"a": 4})
+    index.set_endpoints({"a": 100, "b": 100, "c": 100})
+    for address in "abc":
+        index.record(address, blocks)
+    index.set_endpoints({"c": 100, "a": 200})  # order changes, b goes, a is resized
+    assert index.match(blocks, ["a", "b", "c"]) == {"c": 10}
+    assert index.capacity("a") == 200 and index.capacity("b") is None
     stats = index.stats()
-    assert stats.endpoints == 1 and stats.entries == 4 and stats.capacity == 4
-    assert index.match(list(range(10)), ["a"]) == {"a": 4}
-    assert stats.approx_bytes > 0
+    assert stats.endpoints == 2 and stats.entries == 10 and stats.capacity == 300
 
 
-def test_galloping_search_agrees_with_a_linear_scan():
-    import random
-
+@pytest.mark.parametrize("direct_pairs", [0, 1_000_000], ids=["galloping", "direct"])
+def test_lookup_agrees_with_a_linear_scan_for_every_endpoint(monkeypatch, direct_pairs):
+    monkeypatch.setattr("extproc.index._DIRECT_PAIRS", direct_pairs)
     rng = random.Random(3)
-    for _ in range(300):
-        chain = [rng.getrandbits(64) for _ in range(rng.randint(1, 80))]
-        blocks = EndpointBlocks(1000)
-        held = rng.randint(0, len(chain))
-        blocks.touch(chain[:held])
-        query = chain[: rng.randint(0, len(chain))] + [rng.getrandbits(64)] * rng.randint(0, 3)
-        expected = 0
-        while expected < len(query) and query[expected] in blocks:
-            expected += 1
-        assert blocks.matched_prefix(query) == expected
+    for _ in range(200):
+        base = chain(rng, rng.randint(1, 120))
+        endpoints = [f"e{i}" for i in range(rng.randint(1, 12))]
+        index = PrefixIndex()
+        index.set_endpoints({e: 10_000 for e in endpoints})
+        for e in endpoints:
+            index.record(e, base[: rng.randint(0, len(base))])
+        query = np.concatenate([base[: rng.randint(0, len(base))], chain(rng, rng.randint(0, 3))])
+        expected = {}
+        for e in endpoints:
+            run = 0
+            while run < len(query) and index.match(query[run : run + 1], [e]):
+                run += 1  # one block at a time: is block `run` held by e?
+            if run:
+                expected[e] = run
+        assert index.match(query, endpoints) == expected
 
 
-def test_reported_memory_matches_tracemalloc_within_a_quarter():
-    import random
+def test_memory_is_allocated_up_front_at_twelve_bytes_per_block_of_capacity():
     import tracemalloc
 
-    rng = random.Random(5)
     tracemalloc.start()
     try:
         before = tracemalloc.get_traced_memory()[0]
         index = PrefixIndex()
-        index.set_endpoints({"a": 200_000})
-        for _ in range(2000):
-            index.record("a", [rng.getrandbits(64) for _ in range(100)])
+        index.set_endpoints({f"e{i}": 100_000 for i in range(64)})
         used = tracemalloc.get_traced_memory()[0] - before
     finally:
         tracemalloc.stop()
     reported = index.stats().approx_bytes
-    assert index.stats().entries == 200_000
-    assert 0.75 * used <= reported <= 1.25 * used
+    assert reported == 12 * 64 * 100_000
+    assert 0.95 * used <= reported <= 1.05 * used
+    assert reported <= 100 * 2**20  # the issue's budget: 100 MB at 64 x 100k blocks

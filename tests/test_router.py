@@ -319,11 +319,11 @@ def test_kv_capacity_learned_from_the_endpoint_sizes_the_index_unless_configured
     learned = ENDPOINTS[0].address
     router.observe_signals(learned, up=True, kv_capacity_tokens=3200)  # 3,200 tokens
     router.observe_signals(configured.address, up=True, kv_capacity_tokens=999_999)
-    capacities = {a: b.capacity for a, b in router.index._endpoints.items()}
+    capacities = {a: router.index.capacity(a) for a in router.endpoints}
     assert capacities[learned] == 3200 * 4 // 64  # tokens x bytes/token / block bytes
     assert capacities[configured.address] == 1600 * 4 // 64
     router.set_endpoints([*ENDPOINTS[:1], configured])  # a re-sync keeps the learned size
-    assert router.index._endpoints[learned].capacity == 200
+    assert router.index.capacity(learned) == 200
 
 
 def test_first_byte_releases_the_prefill_charge_but_not_the_in_flight_count():

@@ -322,11 +322,11 @@ async def test_scraped_signals_reach_the_router():
     await svc.start()
     try:
         for _ in range(50):
-            if svc.router.index._endpoints[address].capacity != svc.router.capacity_blocks(None):
+            if svc.router.index.capacity(address) != svc.router.capacity_blocks(None):
                 break
             await asyncio.sleep(0.05)
         # 32,768 tokens (16-token blocks x 2,048, from vllm:cache_config_info) x 4 bytes / 64
-        assert svc.router.index._endpoints[address].capacity == 32768 * 4 // 64
+        assert svc.router.index.capacity(address) == 32768 * 4 // 64
         assert svc.scraper.latest[address].up
     finally:
         await svc.stop(0)
