@@ -11,7 +11,8 @@
 * ``original-dst``: what the Gateway API Inference Extension describes for plain Envoy. The
   router sets the header ``<header_name>: ip:port`` and ``clear_route_cache``; a route that
   matches the header sends the request to an ORIGINAL_DST cluster that connects to exactly that
-  address; without the header a second route load-balances over a STATIC cluster.
+  address on the first attempt (retries go to the round-robin replicas, through Envoy's
+  composite cluster); without the header a second route load-balances over a STATIC cluster.
 * ``round-robin``: the baseline without ext_proc (same clusters, same retries, no router).
 
 Every mode strips client-sent routing headers with the connection manager's
@@ -42,6 +43,8 @@ BODY_MODES: tuple[str, ...] = ("buffered", "full_duplex_streamed")
 ROUTER_CLUSTER = "prefix_router"
 REPLICAS_CLUSTER = "replicas"
 ORIGINAL_DST_CLUSTER = "replicas_original_dst"
+# original-dst: attempt 1 to the header's address, retries to the round-robin replicas.
+PICKED_CLUSTER = "replicas_original_dst_then_round_robin"
 LB_NAMESPACE = "envoy.lb"  # dynamic-metadata namespace of the endpoint-picker protocol
 MIB = 1024 * 1024
 
@@ -365,6 +368,28 @@ def _original_dst_cluster(options: EnvoyOptions) -> dict[str, Any]:
     }
 
 
+def _picked_cluster(options: EnvoyOptions) -> dict[str, Any]:
+    # Envoy's composite cluster picks a sub-cluster by attempt number: attempt 1 goes to the
+    # ORIGINAL_DST cluster (exactly the router's pick), every retry to the round-robin
+    # replicas (previous_hosts keeps it off the address that failed once it is a host of that
+    # cluster, and the active health check takes a dead replica out of it). Without this, a
+    # retry re-reads the header and hits the dead address again. One entry per attempt.
+    return {
+        "name": PICKED_CLUSTER,
+        "connect_timeout": _duration(options.connect_timeout),
+        "lb_policy": "CLUSTER_PROVIDED",
+        "cluster_type": {
+            "name": "envoy.clusters.composite",
+            "typed_config": _typed(
+                "envoy.extensions.clusters.composite.v3.ClusterConfig",
+                clusters=[{"name": ORIGINAL_DST_CLUSTER}]
+                + [{"name": REPLICAS_CLUSTER}] * options.retries,
+            ),
+        },
+        "circuit_breakers": _circuit_breakers(100_000, 1_000),
+    }
+
+
 EXT_PROC_HEALTH_SERVICE = "envoy.service.ext_proc.v3.ExternalProcessor"
 OTEL_CLUSTER = "otel_collector"
 UPSTREAM_FAILURE_HEADER = "x-prefix-router-upstream-failure"
@@ -542,7 +567,7 @@ def _routes(options: EnvoyOptions, endpoints: list[tuple[str, int]]) -> list[dic
                 }
             ],
         },
-        "route": _route_action(options, ORIGINAL_DST_CLUSTER),
+        "route": _route_action(options, PICKED_CLUSTER),
     }
     return [picked, fallback]
 
@@ -610,7 +635,7 @@ def _connection_manager(options: EnvoyOptions, endpoints: list[tuple[str, int]])
     if options.mode != "round-robin":
         # Envoy's own 503 for an upstream it could not reach carries the response flags, so
         # the router (response-headers phase) can tell a dead replica from a busy one and
-        # stop picking it at once: original_dst cannot retry elsewhere by itself.
+        # stop picking it at once instead of waiting for its probes.
         manager["local_reply_config"] = {
             "mappers": [
                 {
@@ -675,6 +700,7 @@ def render(options: EnvoyOptions) -> dict[str, Any]:
     clusters = [_replicas_cluster(options, endpoints, options.mode == "override-host")]
     if options.mode == "original-dst":
         clusters.append(_original_dst_cluster(options))
+        clusters.append(_picked_cluster(options))
     if options.mode != "round-robin":
         clusters.append(_router_cluster(options))
     if options.otlp_tracing:
@@ -862,8 +888,10 @@ pass-through) the round-robin fallback policy picks, avoiding hosts already trie
 SECURITY: an ORIGINAL_DST cluster connects to any ip:port the header names. Only members are
 reachable because (1) early_header_mutation strips the client's copy before routing, (2) route
 `picked_endpoint` matches only a header equal to one configured replica (anything else, comma
-lists included, takes round robin), (3) the router emits members only. LIMIT: retries go to
-the same address (the header still names it), so a dead pick fails with 503.""",
+lists included, takes round robin), (3) the router emits members only. Retries: cluster
+`replicas_original_dst_then_round_robin` (Envoy's composite cluster, documented as not
+hardened: trusted downstream and upstream only) sends attempt 1 to the header's address and
+every retry to round robin, so a dead pick is retried on another replica.""",
     "round-robin": """\
 Baseline without ext_proc: round robin over the same replicas, same retries and limits.""",
 }

@@ -178,9 +178,17 @@ def test_override_host_reads_metadata_with_round_robin_fallback() -> None:
 
 
 def test_original_dst_routes_only_members_to_the_original_dst_cluster() -> None:
-    config = render(EnvoyOptions(mode="original-dst", endpoints=["10.0.0.1:8000"]))
+    config = render(EnvoyOptions(mode="original-dst", endpoints=["10.0.0.1:8000"], retries=2))
     picked, fallback = manager(config)["route_config"]["virtual_hosts"][0]["routes"]
-    assert picked["route"]["cluster"] == "replicas_original_dst"
+    # First attempt to the header's address, each retry to the round-robin replicas.
+    assert picked["route"]["cluster"] == "replicas_original_dst_then_round_robin"
+    composite = clusters(config)["replicas_original_dst_then_round_robin"]
+    assert composite["cluster_type"]["name"] == "envoy.clusters.composite"
+    assert composite["cluster_type"]["typed_config"]["clusters"] == [
+        {"name": "replicas_original_dst"},
+        {"name": "replicas"},
+        {"name": "replicas"},
+    ]
     assert picked["match"]["headers"][0]["name"] == "x-gateway-destination-endpoint"
     assert "headers" not in fallback["match"]
     assert fallback["route"]["cluster"] == "replicas"

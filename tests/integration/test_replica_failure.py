@@ -15,12 +15,14 @@ FAST = ["--prefill-ms-per-token", "0.0001", "--decode-ms-per-token", "0.1"]
 
 
 @pytest.mark.parametrize("body_mode", ["buffered", "full_duplex_streamed"])
-def test_override_host_falls_back_when_the_picked_replica_is_dead(body_mode):
-    """Router health checks off: the router still picks the dead home; Envoy must recover."""
+@pytest.mark.parametrize("mode", ["override-host", "original-dst"])
+def test_envoy_retries_a_dead_pick_on_another_replica(mode, body_mode):
+    """Router health checks off: the router still picks the dead home; Envoy must recover
+    (override-host: the fallback policy; original-dst: the composite cluster's retry)."""
     with Stack() as stack:
         members = stack.start_replicas(3, FAST)
         routed = start_routed_stack(
-            stack, "override-host", body_mode, members, ["--set", "health.enabled=false"]
+            stack, mode, body_mode, members, ["--set", "health.enabled=false"]
         )
         history = ["Tell me about the dead replica. " * 30]
         home = routed.send(chat_body(*history))
@@ -36,7 +38,7 @@ def test_override_host_falls_back_when_the_picked_replica_is_dead(body_mode):
 
 @pytest.mark.parametrize("body_mode", ["buffered", "full_duplex_streamed"])
 def test_original_dst_router_stops_picking_a_dead_replica(body_mode):
-    """original_dst retries re-read the same header, so the router's probes must move it."""
+    """With its probes on, the router stops picking the dead replica (no retry needed)."""
     with Stack() as stack:
         members = stack.start_replicas(3, FAST)
         routed = start_routed_stack(
@@ -60,12 +62,18 @@ def test_original_dst_router_stops_picking_a_dead_replica(body_mode):
 
 
 def test_original_dst_stops_picking_a_dead_replica_after_envoys_first_failure():
-    """Probes too slow to matter (30 s): Envoy's local reply for the unreachable upstream
-    carries its response flags, and the router takes the endpoint out at once."""
+    """Probes too slow to matter (30 s) and no retries: Envoy's local reply for the
+    unreachable upstream carries its response flags, and the router takes the endpoint out
+    at once. (With retries, the default, that request is retried elsewhere instead.)"""
     with Stack() as stack:
         members = stack.start_replicas(3, FAST)
         routed = start_routed_stack(
-            stack, "original-dst", "buffered", members, ["--set", "health.interval_seconds=30"]
+            stack,
+            "original-dst",
+            "buffered",
+            members,
+            ["--set", "health.interval_seconds=30"],
+            retries=0,
         )
         history = ["Tell me about the dead replica. " * 30]
         home = routed.send(chat_body(*history))
@@ -74,7 +82,7 @@ def test_original_dst_stops_picking_a_dead_replica_after_envoys_first_failure():
         stack.stop(dead)
         history += ["An answer.", "first question after the death"]
         first = routed.send(chat_body(*history))
-        # original_dst cannot retry elsewhere: this one is lost, and says why.
+        # No retry configured: this one is lost, and says why.
         assert first.status == 503
         assert "UF" in first.headers["x-prefix-router-upstream-failure"]
         for turn in range(5):
