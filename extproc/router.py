@@ -221,14 +221,14 @@ class Router:
         now = self.clock()
         self._drain_all(now)
         usable = self._healthy
-        if allowed is not None:
-            usable = usable & np.fromiter(
-                (a in allowed for a in self._addresses), dtype=bool, count=len(self._addresses)
-            )
+        if allowed is not None:  # O(size of the hint), not O(endpoints)
+            hinted = np.zeros(len(self._addresses), dtype=bool)
+            hinted[[i for a in allowed if (i := self._position.get(a)) is not None]] = True
+            usable = usable & hinted
         positions = np.flatnonzero(usable)
-        addresses = self._addresses
         table = EndpointTable(
-            addresses=[addresses[i] for i in positions.tolist()],
+            addresses=self._addresses,
+            rows=positions,
             load=np.fmax(self._in_flight[positions], self._reported_load[positions]),
             work=self._work[positions],
             matched=self.index.match_positions(hashes, positions),

@@ -64,6 +64,9 @@ class EndpointTable:
     array entry per endpoint: the whole decision is a fixed number of numpy operations,
     whatever the endpoint count (bench core: 64 and 512 endpoints)."""
 
+    # Row i is endpoint addresses[rows[i]] (or addresses[i] without ``rows``): the router
+    # passes its whole address list and the rows in use, so nothing here is O(endpoints)
+    # in Python.
     addresses: Sequence[str]
     load: np.ndarray  # float64: in-flight requests (or the endpoint's own count, if higher)
     work: np.ndarray  # float64: prefill work queued there (token-equivalents, see CostModel)
@@ -73,6 +76,13 @@ class EndpointTable:
     address_hash: np.ndarray | None = None
     # bool: its KV cache is (nearly) full of running requests, as the endpoint reports.
     saturated: np.ndarray | None = None
+    rows: np.ndarray | None = None
+
+    def __len__(self) -> int:
+        return len(self.load)
+
+    def address(self, i: int) -> str:
+        return self.addresses[i if self.rows is None else int(self.rows[i])]
 
     @classmethod
     def of(
@@ -169,7 +179,7 @@ class _Ranking:
 
     def candidate(self, i: int) -> dict[str, Any]:
         return {
-            "endpoint": self.table.addresses[i],
+            "endpoint": self.table.address(i),
             "matched_blocks": int(self.table.matched[i]),
             "load": float(self.table.load[i]),
             "load_cap": round(float(self.cap[i]), 3),
@@ -237,7 +247,7 @@ class Scheduler:
         """``prompt_tokens`` defaults to ``total_blocks`` x ``block_tokens``."""
         if prompt_tokens is None:
             prompt_tokens = total_blocks * block_tokens
-        count = len(table.addresses)
+        count = len(table)
         if not count:
             return Decision(
                 None,
@@ -288,11 +298,10 @@ class Scheduler:
             chosen = int(order[0])
             skipped = bool((~eligible & (matched >= needed)).any())
             rule = RULE_LOAD_GUARD if skipped else RULE_COLD_START
-        addresses = table.addresses
         return Decision(
-            endpoint=addresses[chosen],
+            endpoint=table.address(chosen),
             rule=rule,
-            fallbacks=[addresses[i] for i in order[1 : 1 + cfg.fallbacks].tolist()],
+            fallbacks=[table.address(i) for i in order[1 : 1 + cfg.fallbacks].tolist()],
             total_blocks=total_blocks,
             matched_blocks=int(matched[chosen]),
             placement_key=key,
