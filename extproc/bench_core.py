@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import orjson
 
 from .config import EndpointConfig, RoutingConfig
@@ -82,11 +83,55 @@ def measure(size: int, endpoints: int, requests: int) -> dict[str, Any]:
     }
 
 
+def _rss_bytes() -> int:
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def index_memory(endpoints: int, blocks: int, seed: int = 1) -> dict[str, Any]:
+    """The index of ``endpoints`` endpoints x ``blocks`` blocks each, filled with distinct
+    blocks (through the router's own ``record``): its own report against the RSS growth."""
+    rss_before = _rss_bytes()
+    config = RoutingConfig(block_size_bytes=64, bytes_per_token=4.0)
+    router = Router(
+        config,
+        [
+            EndpointConfig(address=f"10.{i // 250}.{i % 250}.1:8000", capacity_tokens=blocks * 16)
+            for i in range(endpoints)
+        ],
+    )
+    rng = np.random.default_rng(seed)
+    started = time.perf_counter()
+    for position in range(endpoints):
+        # Twice the capacity in 1,024-block requests: buckets fill unevenly (LRU per
+        # bucket), so the first pass leaves ~20 % of the slots empty.
+        for _ in range(-(-2 * blocks // 1024)):
+            router.index.record_position(position, rng.integers(1, 2**63, 1024, dtype=np.uint64))
+    stats = router.index_stats()
+    return {
+        "endpoints": endpoints,
+        "blocks_per_endpoint": blocks,
+        "entries": stats.entries,
+        "reported_bytes": stats.approx_bytes,
+        "rss_growth_bytes": _rss_bytes() - rss_before,
+        "fill_seconds": round(time.perf_counter() - started, 1),
+    }
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--sizes", default="2,32,1024", help="body sizes in KiB")
     parser.add_argument("--endpoints", default="4,64,512", help="endpoint counts")
     parser.add_argument("--requests", type=int, default=2000, help="timed decisions per cell")
     parser.add_argument("--short", action="store_true", help="CI mode: few requests")
+    parser.add_argument(
+        "--index-memory",
+        metavar="ENDPOINTS,BLOCKS",
+        help="also fill an index of ENDPOINTS x BLOCKS blocks and report its memory "
+        "(e.g. 64,100000)",
+    )
     parser.add_argument("--json", metavar="FILE")
 
 
@@ -107,7 +152,18 @@ def run(args: argparse.Namespace) -> int:
                 f"{row['mean_us']:>9.1f}",
                 flush=True,
             )
+    doc: dict[str, Any] = {"command": "prefix-router bench core " + " ".join(sys.argv[3:])}
+    doc["rows"] = rows
+    if args.index_memory:
+        endpoints, blocks = (int(v) for v in args.index_memory.split(","))
+        memory = index_memory(endpoints, blocks)
+        doc["index_memory"] = memory
+        print(
+            f"index, {endpoints} endpoints x {blocks:,} blocks: {memory['entries']:,} entries, "
+            f"reported {memory['reported_bytes'] / 2**20:.1f} MiB, "
+            f"RSS growth {memory['rss_growth_bytes'] / 2**20:.1f} MiB "
+            f"(filled in {memory['fill_seconds']} s)"
+        )
     if args.json:
-        command = "prefix-router bench core " + " ".join(sys.argv[3:])
-        Path(args.json).write_text(json.dumps({"command": command, "rows": rows}, indent=2))
+        Path(args.json).write_text(json.dumps(doc, indent=2))
     return 0
