@@ -83,6 +83,45 @@ def measure(size: int, endpoints: int, requests: int) -> dict[str, Any]:
     }
 
 
+# Stages of a decision, by the function that implements each (for --profile).
+STAGES = {
+    "parse + canonicalise": "parse_request",
+    "block hashing": "block_hashes",
+    "index match": "match_positions",
+    "scheduler": "pick",
+    "index update": "_record",
+    "queued-work drain": "_drain_all",
+    "finish": "finish",
+}
+
+
+def profile(size: int, endpoints: int, requests: int) -> dict[str, float]:
+    """Share of each stage in ``requests`` decisions (cProfile, cumulative time)."""
+    import cProfile
+    import pstats
+
+    router = Router(
+        RoutingConfig(),
+        [EndpointConfig(address=f"10.{i // 250}.{i % 250}.1:8000") for i in range(endpoints)],
+    )
+    bodies = chat_bodies(size, requests * 2, conversations=max(4, endpoints))
+    for body in bodies[:requests]:
+        router.finish(router.route(parse_request("chat", body)))
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for body in bodies[requests:]:
+        router.finish(router.route(parse_request("chat", body)))
+    profiler.disable()
+    stats = pstats.Stats(profiler).stats  # type: ignore[attr-defined]
+    cumulative: dict[str, float] = {}
+    for (_, _, function), (_, _, _, cum, _) in stats.items():
+        cumulative[function] = cumulative.get(function, 0.0) + cum
+    total = cumulative.get("route", 0.0) + cumulative["parse_request"] + cumulative["finish"]
+    shares = {stage: cumulative.get(function, 0.0) / total for stage, function in STAGES.items()}
+    shares["other"] = max(0.0, 1.0 - sum(shares.values()))
+    return shares
+
+
 def _rss_bytes() -> int:
     with open("/proc/self/status") as status:
         for line in status:
@@ -132,6 +171,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="also fill an index of ENDPOINTS x BLOCKS blocks and report its memory "
         "(e.g. 64,100000)",
     )
+    parser.add_argument(
+        "--profile",
+        action="store_true",
+        help="also print each stage's share of the decision (cProfile) for the largest cell",
+    )
     parser.add_argument("--json", metavar="FILE")
 
 
@@ -154,6 +198,13 @@ def run(args: argparse.Namespace) -> int:
             )
     doc: dict[str, Any] = {"command": "prefix-router bench core " + " ".join(sys.argv[3:])}
     doc["rows"] = rows
+    if args.profile:
+        size, count = max(sizes), max(counts)
+        shares = profile(size, count, max(20, requests // 4))
+        doc["profile"] = {"body_bytes": size, "endpoints": count, "shares": shares}
+        print(f"profile, {size // KIB} KiB x {count} endpoints (cProfile, share of a decision):")
+        for stage, share in shares.items():
+            print(f"  {stage:<22} {100 * share:5.1f} %")
     if args.index_memory:
         endpoints, blocks = (int(v) for v in args.index_memory.split(","))
         memory = index_memory(endpoints, blocks)
