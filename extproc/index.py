@@ -1,6 +1,6 @@
 """Which endpoint probably holds which prefix blocks, in a fixed budget of memory.
 
-Every endpoint owns a region of one table of 4-way buckets; a slot holds a 32-bit
+Every endpoint owns a region of one table of 8-way buckets; a slot holds a 32-bit
 fingerprint of a block's prefix hash and a 64-bit stamp of when it was last touched.
 A block of endpoint e lives in bucket ``offset_e + low32(hash) x buckets_e / 2^32``; a new block
 replaces the least recently touched slot of its bucket. An endpoint gets one slot per block
@@ -11,10 +11,10 @@ costs ~140.
 The price is approximation, in the same direction as the index already errs (it is a guess
 at the endpoint's real cache): eviction is least-recently-used within a bucket, not across
 the endpoint, so a chain can lose a middle block before its tail, and two blocks whose
-fingerprints (32 bits) and buckets agree are confused. Matching assumes prefix closure
-(an endpoint holding block i of a chain holds blocks 0..i-1, as an LRU keeps it) and finds
-each endpoint's longest run with a galloping search done for all endpoints at once, so a
-decision costs a fixed number of numpy operations whatever the endpoint count.
+fingerprints (32 bits) and buckets agree are confused. A match therefore runs to the last
+held block, not to the first missing one (see match_positions), found with a galloping
+search done for all endpoints at once, so a decision costs a fixed number of numpy
+operations whatever the endpoint count.
 """
 
 from __future__ import annotations
@@ -25,7 +25,8 @@ from functools import lru_cache
 
 import numpy as np
 
-WAYS = 4
+WAYS = 8
+_ANY = np.uint64  # WAYS booleans read as one integer: nonzero = any way matched
 _LOW32 = np.uint64(0xFFFFFFFF)
 _SHIFT32 = np.uint64(32)
 # Up to this many (endpoint, block) pairs a lookup checks every block (a few numpy
@@ -137,13 +138,18 @@ class PrefixIndex:
         rows = (offsets + ((keys * sizes) >> _SHIFT32)).astype(np.intp)
         slots = np.take(self._fingerprints, rows, axis=0)
         equal = slots == fingerprints[..., None]
-        return equal.view(np.uint32)[..., 0] != 0  # any of the 4 ways (4 bools = 4 bytes)
+        return equal.view(_ANY)[..., 0] != 0  # any of the ways (WAYS bools = one integer)
 
     def match_positions(self, hashes: np.ndarray, positions: np.ndarray) -> np.ndarray:
-        """Matched prefix length (blocks) of each endpoint at ``positions`` (int64 array).
+        """Matched prefix length (blocks) of each endpoint at ``positions`` (int64 array):
+        one past the last of the request's blocks the endpoint holds.
 
-        Gallops over blocks 0, 1, 3, 7, ... and the last for every endpoint at once, then
-        checks every block between an endpoint's last held probe and its first missing one.
+        A prefix hash identifies the whole prefix, so holding block i means the endpoint saw
+        blocks 0..i; a missing block before it is one this index dropped early (its bucket
+        overflowed), whereas the model server evicts chains from the tail. Beyond
+        ``_DIRECT_PAIRS`` (endpoint, block) pairs it gallops: blocks 0, 1, 3, 7, ... and the
+        last for every endpoint at once, then every block after an endpoint's last held probe
+        up to the next probe.
         """
         count, endpoints = len(hashes), len(positions)
         if not count or not endpoints:
@@ -152,33 +158,28 @@ class PrefixIndex:
         offsets = self._offsets[positions][:, None]
         sizes = self._sizes[positions][:, None]
         if count * endpoints <= _DIRECT_PAIRS:
-            # Small enough to look every block up for every endpoint: the run is the
-            # position of the first missing block.
             held = self._held(offsets, sizes, fingerprints, keys)
-            return np.where(held.all(axis=1), count, held.argmin(axis=1))
-        matched = np.zeros(endpoints, dtype=np.int64)
+            return np.where(held.any(axis=1), count - held[:, ::-1].argmax(axis=1), 0)
         probes = _probes(count)
         held = self._held(offsets, sizes, fingerprints[probes][None, :], keys[probes][None, :])
-        runs = np.where(held.all(axis=1), len(probes), held.argmin(axis=1))
-        matched[runs == len(probes)] = count
-        partial = np.flatnonzero((runs > 0) & (runs < len(probes)))
+        last = len(probes) - 1 - held[:, ::-1].argmax(axis=1)  # last held probe
+        holding = held.any(axis=1)
+        matched = np.where(holding, probes[last] + 1, 0)
+        partial = np.flatnonzero(holding & (last < len(probes) - 1))
         if not len(partial):
             return matched
-        first = probes[runs[partial] - 1] + 1  # blocks known held
-        stop = probes[runs[partial]]  # first probe known missing
-        matched[partial] = first
-        spans = stop - first
+        first = probes[last[partial]] + 1  # first block after the last held probe
+        spans = probes[last[partial] + 1] - first  # up to the next probe (not held)
         checked = np.flatnonzero(spans > 0)
         if not len(checked):
             return matched
-        owner, spans, stop = partial[checked], spans[checked], stop[checked]
+        owner, spans = partial[checked], spans[checked]
         starts = np.cumsum(spans) - spans
         blocks = np.arange(int(spans.sum())) + np.repeat(first[checked] - starts, spans)
         owners = np.repeat(owner, spans)
         found = self._held(offsets[owners, 0], sizes[owners, 0], fingerprints[blocks], keys[blocks])
-        # Per span, the first missing block ends the run; none missing → up to ``stop``.
-        first_miss = np.minimum.reduceat(np.where(found, stop.max(), blocks), starts)
-        matched[owner] = np.minimum(first_miss, stop)
+        last_found = np.maximum.reduceat(np.where(found, blocks + 1, 0), starts)
+        matched[owner] = np.maximum(matched[owner], last_found)
         return matched
 
     def _split(self, hashes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -226,7 +227,7 @@ class PrefixIndex:
         hit = np.take(self._fingerprints, rows, axis=0) == fingerprints[:, None]
         hit_blocks, hit_ways = np.nonzero(hit)
         stamps[rows[hit_blocks] * WAYS + hit_ways] = order[hit_blocks]
-        pending = np.flatnonzero(hit.view(np.uint32)[:, 0] == 0)
+        pending = np.flatnonzero(hit.view(_ANY)[:, 0] == 0)
         protected = np.uint64(base)
         while len(pending):
             # One block per bucket per round, the earliest first (np.unique keeps the first

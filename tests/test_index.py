@@ -18,26 +18,39 @@ def one(capacity: int) -> PrefixIndex:
     return index
 
 
-def test_matched_prefix_is_longest_consecutive_run():
+def test_matched_prefix_is_the_held_part_of_the_chain():
     rng = random.Random(1)
     blocks = chain(rng, 6)
     index = one(1000)
     index.record("a", blocks[:4])
     assert index.match(blocks, ["a"]) == {"a": 4}
     assert index.match(np.concatenate([blocks[:2], chain(rng, 1)]), ["a"]) == {"a": 2}
-    assert index.match(np.concatenate([chain(rng, 1), blocks[:2]]), ["a"]) == {}
+    assert index.match(chain(rng, 3), ["a"]) == {}  # another prefix: other hashes throughout
     assert index.match(blocks[:0], ["a"]) == {}
 
 
 def test_a_full_bucket_evicts_its_least_recent_block_and_chains_lose_their_tail_first():
     rng = random.Random(2)
     index = one(WAYS)  # a single bucket: exact LRU
-    old, new = chain(rng, 4), chain(rng, 2)
+    old, new = chain(rng, WAYS), chain(rng, 2)
     index.record("a", old)
     index.record("a", np.concatenate([old[:2], new]))  # the shared head becomes most recent
     assert index.stats().entries == WAYS
-    assert index.match(old, ["a"]) == {"a": 2}  # its tail (old[3], then old[2]) went
+    assert index.match(old, ["a"]) == {"a": WAYS - 2}  # its last two blocks went
     assert index.match(np.concatenate([old[:2], new]), ["a"]) == {"a": 4}
+
+
+def test_a_match_runs_to_the_last_held_block_across_a_hole():
+    """A prefix hash names the whole prefix: holding block 5 means the endpoint saw 0..5,
+    even if this index dropped block 2 early (its bucket overflowed)."""
+    rng = random.Random(9)
+    blocks = chain(rng, 8)
+    for direct_pairs in (0, 1_000_000):  # galloping and direct lookups agree
+        index = one(10_000)
+        index.record("a", np.delete(blocks[:6], 2))
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr("extproc.index._DIRECT_PAIRS", direct_pairs)
+            assert index.match(blocks, ["a"]) == {"a": 6}
 
 
 def test_a_request_never_evicts_its_own_blocks():

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import pytest
 
+from extproc.index import WAYS
+
 from .memory_soak import soak
 
 
@@ -16,8 +18,8 @@ def test_index_memory_and_latency_stay_bounded_over_many_distinct_prompts():
     capacity = points[0].capacity
     assert capacity == 8 * (100_000 * 4 // 64)
     assert all(p.entries <= p.capacity == capacity for p in points)
-    # Full, and stays there: one slot per block of capacity, in whole 4-slot buckets.
-    assert points[-1].entries == points[-2].entries == 8 * (100_000 * 4 // 64 // 4 * 4)
+    # Full, and stays there: one slot per block of capacity, in whole buckets.
+    assert points[-1].entries == points[-2].entries == 8 * (100_000 * 4 // 64 // WAYS * WAYS)
     assert points[-1].approx_bytes == points[2].approx_bytes
     # RSS: no growth beyond noise once the index is full (allocator slack, counters).
     growth = points[-1].rss - points[2].rss
