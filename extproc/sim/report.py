@@ -126,8 +126,11 @@ def plot(
         ax = axes[2]
         for name, by_k in sweep.items():
             ks = sorted(by_k)
+            # Every colour but red, which is ours (the cycle may hold hex strings or tuples).
             others = [
-                c for c in plt.rcParams["axes.prop_cycle"].by_key()["color"] if c != "#d62728"
+                c
+                for c in plt.rcParams["axes.prop_cycle"].by_key()["color"]
+                if matplotlib.colors.to_hex(c) != matplotlib.colors.to_hex("tab:red")
             ]
             style = (
                 {"color": "tab:red", "linewidth": 2.5}
