@@ -11,8 +11,8 @@ costs ~140.
 The price is approximation, in the same direction as the index already errs (it is a guess
 at the endpoint's real cache): eviction is least-recently-used within a bucket, not across
 the endpoint, so a chain can lose a middle block before its tail, and two blocks whose
-fingerprints (32 bits) and buckets agree are confused. A match therefore runs to the last
-held block, not to the first missing one (see match_positions), found with a galloping
+fingerprints (32 bits) and buckets agree are confused. A match therefore bridges short
+holes and ends at GAP missing blocks in a row (see match_positions), found with a galloping
 search done for all endpoints at once, so a decision costs a fixed number of numpy
 operations whatever the endpoint count.
 """
@@ -32,6 +32,8 @@ _SHIFT32 = np.uint64(32)
 # Up to this many (endpoint, block) pairs a lookup checks every block (a few numpy
 # operations); beyond it, a galloping search (more operations, fewer pairs).
 _DIRECT_PAIRS = 4096
+# Missing blocks in a row that end a match (fewer are this index's own holes: match_positions).
+GAP = 4
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,6 +57,19 @@ def split_hashes(hashes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     and the low 32 bits of each 64-bit block hash."""
     fingerprints = (hashes >> _SHIFT32).astype(np.uint32) | np.uint32(1)
     return fingerprints, hashes & _LOW32
+
+
+def _gap_starts(missing: np.ndarray, room: np.ndarray | None = None) -> np.ndarray:
+    """Whether GAP missing blocks in a row start at each block (rows of ``missing``).
+    Past the end of a row, or of ``room`` blocks from an element, counts as missing."""
+    gaps = missing.copy()
+    for t in range(1, GAP):
+        following = np.ones_like(missing)
+        following[:, :-t] = missing[:, t:]
+        if room is not None:
+            following |= room <= t
+        gaps &= following
+    return gaps
 
 
 @lru_cache(maxsize=64)
@@ -142,14 +157,18 @@ class PrefixIndex:
 
     def match_positions(self, hashes: np.ndarray, positions: np.ndarray) -> np.ndarray:
         """Matched prefix length (blocks) of each endpoint at ``positions`` (int64 array):
-        one past the last of the request's blocks the endpoint holds.
+        the blocks before the first GAP consecutive missing ones.
 
-        A prefix hash identifies the whole prefix, so holding block i means the endpoint saw
-        blocks 0..i; a missing block before it is one this index dropped early (its bucket
-        overflowed), whereas the model server evicts chains from the tail. Beyond
-        ``_DIRECT_PAIRS`` (endpoint, block) pairs it gallops: blocks 0, 1, 3, 7, ... and the
-        last for every endpoint at once, then every block after an endpoint's last held probe
-        up to the next probe.
+        Bucket-local eviction drops scattered blocks of a chain the endpoint still holds (a
+        busy bucket), and keeps scattered blocks of a chain the endpoint evicted long ago (a
+        quiet bucket). A model server evicts chains from the tail, so a short hole is this
+        index's error and is bridged, while GAP missing blocks in a row end the match.
+        Stopping at the first hole under-reads what the endpoint holds and costs hits;
+        running to the last held block over-reads it and costs tail latency (GAP = 4 was the
+        best of 1, 2, 3, 4 and "last held" in the simulator, docs/benchmarks.md).
+        Beyond ``_DIRECT_PAIRS`` (endpoint, block) pairs it gallops: a probe at block p
+        (p = 0, 1, 3, 7, ...) is a gap when blocks p .. p+GAP-1 are all missing; then every
+        block between an endpoint's last probe without a gap and its first gap is checked.
         """
         count, endpoints = len(hashes), len(positions)
         if not count or not endpoints:
@@ -158,28 +177,35 @@ class PrefixIndex:
         offsets = self._offsets[positions][:, None]
         sizes = self._sizes[positions][:, None]
         if count * endpoints <= _DIRECT_PAIRS:
-            held = self._held(offsets, sizes, fingerprints, keys)
-            return np.where(held.any(axis=1), count - held[:, ::-1].argmax(axis=1), 0)
+            gaps = _gap_starts(~self._held(offsets, sizes, fingerprints, keys))
+            return np.where(gaps.any(axis=1), gaps.argmax(axis=1), count)
         probes = _probes(count)
-        held = self._held(offsets, sizes, fingerprints[probes][None, :], keys[probes][None, :])
-        last = len(probes) - 1 - held[:, ::-1].argmax(axis=1)  # last held probe
-        holding = held.any(axis=1)
-        matched = np.where(holding, probes[last] + 1, 0)
-        partial = np.flatnonzero(holding & (last < len(probes) - 1))
+        width = len(probes)
+        looked_up = np.minimum(np.concatenate([probes + t for t in range(GAP)]), count - 1)
+        held = self._held(
+            offsets, sizes, fingerprints[looked_up][None, :], keys[looked_up][None, :]
+        )
+        # A gap at probe p: blocks p .. p + GAP - 1 all missing (past the last: missing).
+        gap = np.ones((endpoints, width), dtype=bool)
+        for t in range(GAP):
+            gap &= ~held[:, t * width : (t + 1) * width] | (probes + t >= count)
+        first_gap = np.where(gap.any(axis=1), gap.argmax(axis=1), width)
+        matched = np.where(first_gap == width, count, 0)
+        partial = np.flatnonzero((first_gap > 0) & (first_gap < width))
         if not len(partial):
             return matched
-        first = probes[last[partial]] + 1  # first block after the last held probe
-        spans = probes[last[partial] + 1] - first  # up to the next probe (not held)
-        checked = np.flatnonzero(spans > 0)
-        if not len(checked):
-            return matched
-        owner, spans = partial[checked], spans[checked]
+        # Every block from the last probe without a gap to the end of the first gap.
+        first = probes[first_gap[partial] - 1]
+        spans = np.minimum(probes[first_gap[partial]] + GAP, count) - first
+        owners = np.repeat(partial, spans)
         starts = np.cumsum(spans) - spans
-        blocks = np.arange(int(spans.sum())) + np.repeat(first[checked] - starts, spans)
-        owners = np.repeat(owner, spans)
-        found = self._held(offsets[owners, 0], sizes[owners, 0], fingerprints[blocks], keys[blocks])
-        last_found = np.maximum.reduceat(np.where(found, blocks + 1, 0), starts)
-        matched[owner] = np.maximum(matched[owner], last_found)
+        blocks = np.arange(int(spans.sum())) + np.repeat(first - starts, spans)
+        missing = ~self._held(
+            offsets[owners, 0], sizes[owners, 0], fingerprints[blocks], keys[blocks]
+        )
+        room = np.repeat(starts + spans, spans) - np.arange(len(blocks))  # blocks left in span
+        gaps = np.where(_gap_starts(missing[None, :], room)[0], blocks, count)
+        matched[partial] = np.minimum.reduceat(gaps, starts)
         return matched
 
     def _split(self, hashes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

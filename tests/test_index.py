@@ -5,7 +5,7 @@ import random
 import numpy as np
 import pytest
 
-from extproc.index import WAYS, PrefixIndex
+from extproc.index import GAP, WAYS, PrefixIndex
 
 
 def chain(rng: random.Random, length: int) -> np.ndarray:
@@ -40,17 +40,22 @@ def test_a_full_bucket_evicts_its_least_recent_block_and_chains_lose_their_tail_
     assert index.match(np.concatenate([old[:2], new]), ["a"]) == {"a": 4}
 
 
-def test_a_match_runs_to_the_last_held_block_across_a_hole():
-    """A prefix hash names the whole prefix: holding block 5 means the endpoint saw 0..5,
-    even if this index dropped block 2 early (its bucket overflowed)."""
+def test_a_match_bridges_short_holes_and_ends_at_gap_missing_blocks():
+    """Bucket-local eviction drops single blocks the endpoint still holds: fewer than GAP
+    missing in a row are bridged. A model server evicts from the tail: GAP in a row end it."""
     rng = random.Random(9)
-    blocks = chain(rng, 8)
+    blocks = chain(rng, 2 * GAP + 6)
+    short_hole = list(range(2, 2 + GAP - 1))
+    long_hole = list(range(2, 2 + GAP))
     for direct_pairs in (0, 1_000_000):  # galloping and direct lookups agree
-        index = one(10_000)
-        index.record("a", np.delete(blocks[:6], 2))
         with pytest.MonkeyPatch.context() as patch:
             patch.setattr("extproc.index._DIRECT_PAIRS", direct_pairs)
-            assert index.match(blocks, ["a"]) == {"a": 6}
+            index = one(10_000)
+            index.record("a", np.delete(blocks[: GAP + 4], short_hole))
+            assert index.match(blocks, ["a"]) == {"a": GAP + 4}
+    index = one(10_000)  # few blocks: looked up one by one
+    index.record("a", np.delete(blocks[: GAP + 4], long_hole))  # the rest: stale survivors
+    assert index.match(blocks, ["a"]) == {"a": 2}
 
 
 def test_a_request_never_evicts_its_own_blocks():
@@ -107,6 +112,8 @@ def test_set_endpoints_keeps_unchanged_drops_removed_and_empties_resized():
 
 @pytest.mark.parametrize("direct_pairs", [0, 1_000_000], ids=["galloping", "direct"])
 def test_lookup_agrees_with_a_linear_scan_for_every_endpoint(monkeypatch, direct_pairs):
+    """Each endpoint holds a prefix of one chain with isolated holes (what bucket-local
+    eviction leaves); the match is the blocks before the first GAP missing in a row."""
     monkeypatch.setattr("extproc.index._DIRECT_PAIRS", direct_pairs)
     rng = random.Random(3)
     for _ in range(200):
@@ -114,14 +121,20 @@ def test_lookup_agrees_with_a_linear_scan_for_every_endpoint(monkeypatch, direct
         endpoints = [f"e{i}" for i in range(rng.randint(1, 12))]
         index = PrefixIndex()
         index.set_endpoints({e: 10_000 for e in endpoints})
+        holdings = {}
         for e in endpoints:
-            index.record(e, base[: rng.randint(0, len(base))])
-        query = np.concatenate([base[: rng.randint(0, len(base))], chain(rng, rng.randint(0, 3))])
+            length = rng.randint(0, len(base))
+            holes = {i for i in range(1, length - 1, 3) if rng.random() < 0.3}  # isolated
+            holdings[e] = {i for i in range(length) if i not in holes}
+            index.record(e, base[sorted(holdings[e])])
+        query_length = rng.randint(0, len(base))
+        query = np.concatenate([base[:query_length], chain(rng, rng.randint(0, 3))])
         expected = {}
         for e in endpoints:
-            run = 0
-            while run < len(query) and index.match(query[run : run + 1], [e]):
-                run += 1  # one block at a time: is block `run` held by e?
+            # Past the end counts as missing: pad with GAP False.
+            held = [i < query_length and i in holdings[e] for i in range(len(query))]
+            held += [False] * GAP
+            run = next(i for i in range(len(query) + 1) if not any(held[i : i + GAP]))
             if run:
                 expected[e] = run
         assert index.match(query, endpoints) == expected
