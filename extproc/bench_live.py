@@ -385,6 +385,98 @@ def ensure_peer(requirement: str) -> Path:
     return lab.ensure_venv(f"peers/{name}", [requirement])
 
 
+def sglang_router_command(
+    python: Path,
+    servers: Sequence[str],
+    port: int,
+    metrics_port: int,
+    tokenizer_path: Path | None = None,
+) -> list[str]:
+    """sglang-router (cache_aware) in front of ``servers`` (``ip:port``), on loopback."""
+    return [
+        str(python),
+        "-m",
+        "sglang_router.launch_router",
+        "--worker-urls",
+        *(f"http://{a}" for a in servers),
+        "--policy",
+        "cache_aware",
+        "--host",
+        LOOPBACK,
+        "--port",
+        str(port),
+        "--prometheus-host",
+        LOOPBACK,
+        "--prometheus-port",
+        str(metrics_port),
+        *(["--tokenizer-path", str(tokenizer_path)] if tokenizer_path is not None else []),
+        "--log-level",
+        "warn",
+    ]
+
+
+def vllm_router_command(
+    python: Path, servers: Sequence[str], port: int, metrics_port: int
+) -> list[str]:
+    """vllm-router (cache_aware) in front of ``servers`` (``ip:port``), on loopback."""
+    return [
+        str(python.with_name("vllm-router")),
+        "--worker-urls",
+        *(f"http://{a}" for a in servers),
+        "--policy",
+        "cache_aware",
+        "--host",
+        LOOPBACK,
+        "--port",
+        str(port),
+        "--prometheus-host",
+        LOOPBACK,
+        "--prometheus-port",
+        str(metrics_port),
+        "--log-level",
+        "warning",
+    ]
+
+
+# run name -> (pip requirement, process name)
+PEERS = {"sglang": (SGLANG_ROUTER, "sglang-router"), "vllm_router": (VLLM_ROUTER, "vllm-router")}
+
+
+@dataclass
+class Peer:
+    """A running peer router: where it serves, where its Prometheus metrics are."""
+
+    run: str
+    proc: ManagedProcess
+    port: int
+    metrics_port: int
+
+    @property
+    def url(self) -> str:
+        return f"http://{LOOPBACK}:{self.port}"
+
+
+def start_peer(
+    stack: Stack, run: str, servers: Sequence[str], tokenizer_path: Path | None = None
+) -> Peer:
+    """Install (cached) and start peer ``run`` in front of ``servers``; wait for /health."""
+    requirement, name = PEERS[run]
+    python = ensure_peer(requirement)
+    port, metrics_port = free_port(), free_port()
+    if run == "sglang":
+        args = sglang_router_command(python, servers, port, metrics_port, tokenizer_path)
+    else:
+        args = vllm_router_command(python, servers, port, metrics_port)
+    proc = _spawn(stack, name, args)
+    try:
+        wait_for_port(port, proc, timeout=60)
+        _wait_http(f"http://{LOOPBACK}:{port}/health", proc)
+    except BaseException:
+        stack.stop(proc)
+        raise
+    return Peer(run, proc, port, metrics_port)
+
+
 @contextlib.contextmanager
 def start_target(
     stack: Stack,
@@ -421,68 +513,11 @@ def start_target(
             started.append(envoy)
             assert envoy.process is not None
             yield Target(run, f"http://{LOOPBACK}:{port}", router_pid, envoy.process.pid)
-        elif run == "sglang":
-            python = ensure_peer(SGLANG_ROUTER)
-            port = free_port()
-            proc = _spawn(
-                stack,
-                "sglang-router",
-                [
-                    str(python),
-                    "-m",
-                    "sglang_router.launch_router",
-                    "--worker-urls",
-                    *(f"http://{a}" for a in servers),
-                    "--policy",
-                    "cache_aware",
-                    "--host",
-                    LOOPBACK,
-                    "--port",
-                    str(port),
-                    "--prometheus-host",
-                    LOOPBACK,
-                    "--prometheus-port",
-                    str(free_port()),
-                    "--tokenizer-path",
-                    str(model_dir),
-                    "--log-level",
-                    "warn",
-                ],
-            )
-            started.append(proc)
-            wait_for_port(port, proc, timeout=60)
-            _wait_http(f"http://{LOOPBACK}:{port}/health", proc)
-            assert proc.process is not None
-            yield Target(run, f"http://{LOOPBACK}:{port}", proc.process.pid, None)
-        elif run == "vllm_router":
-            python = ensure_peer(VLLM_ROUTER)
-            port = free_port()
-            proc = _spawn(
-                stack,
-                "vllm-router",
-                [
-                    str(python.with_name("vllm-router")),
-                    "--worker-urls",
-                    *(f"http://{a}" for a in servers),
-                    "--policy",
-                    "cache_aware",
-                    "--host",
-                    LOOPBACK,
-                    "--port",
-                    str(port),
-                    "--prometheus-host",
-                    LOOPBACK,
-                    "--prometheus-port",
-                    str(free_port()),
-                    "--log-level",
-                    "warning",
-                ],
-            )
-            started.append(proc)
-            wait_for_port(port, proc, timeout=60)
-            _wait_http(f"http://{LOOPBACK}:{port}/health", proc)
-            assert proc.process is not None
-            yield Target(run, f"http://{LOOPBACK}:{port}", proc.process.pid, None)
+        elif run in PEERS:
+            peer = start_peer(stack, run, servers, model_dir if run == "sglang" else None)
+            started.append(peer.proc)
+            assert peer.proc.process is not None
+            yield Target(run, peer.url, peer.proc.process.pid, None)
         else:
             raise ValueError(f"unknown run {run!r}; choose from {', '.join(RUNS + EXTRA_RUNS)}")
     finally:

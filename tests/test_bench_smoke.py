@@ -21,13 +21,22 @@ def test_bench_core_short(tmp_path):
                 "2,32",
                 "--endpoints",
                 "4,64",
+                "--index-memory",
+                "4,2000",
+                "--profile",
                 "--json",
                 str(out),
             ]
         )
         == 0
     )
-    rows = json.loads(out.read_text())["rows"]
+    doc = json.loads(out.read_text())
+    shares = doc["profile"]["shares"]
+    assert abs(sum(shares.values()) - 1.0) < 1e-6 and shares["block hashing"] > 0
+    memory = doc["index_memory"]
+    assert memory["reported_bytes"] == 4 * 2000 * 12  # 4 endpoints x 2,000 slots x 12 bytes
+    assert 0.9 * 4 * 2000 <= memory["entries"] <= 4 * 2000
+    rows = doc["rows"]
     assert [(r["body_bytes"], r["endpoints"]) for r in rows] == [
         (2048, 4),
         (2048, 64),
@@ -53,17 +62,116 @@ def test_bench_latency_short(tmp_path):
 
 @pytest.mark.envoy
 def test_bench_overhead_short(tmp_path):
-    """Needs wrk (Debian); the benchmark installs it with apt-get when run as root."""
+    """Needs wrk (Debian); the benchmark installs it with apt-get when run as root.
+    The peers (sglang-router, vllm-router) are left out: they install into their own venvs."""
     out = tmp_path / "overhead.json"
     argv = ["bench", "overhead", "--sizes", "2", "--connections", "1,4", "--duration", "1"]
-    assert main([*argv, "--configs", "envoy_direct,buffered_w1", "--json", str(out)]) == 0
-    rows = json.loads(out.read_text())["rows"]
+    configs = "direct,noop,buffered_w1"
+    assert main([*argv, "--configs", configs, "--json", str(out)]) == 0
+    document = json.loads(out.read_text())
+    rows = document["rows"]
     assert {(r["config"], r["connections"]) for r in rows} == {
-        ("envoy_direct", 1),
-        ("envoy_direct", 4),
-        ("buffered_w1", 1),
-        ("buffered_w1", 4),
+        (config, conns)
+        for config in ("envoy_direct", "noop_buffered", "buffered_w1")
+        for conns in (1, 4)
     }
     for row in rows:
         assert row["requests"] > 0 and row["errors"] == 0
         assert (row["router_cpu_s_per_1k"] > 0) == (row["config"] != "envoy_direct")
+        assert row["envoy_cpu_s_per_1k"] > 0
+        if row["config"] != "envoy_direct":
+            # Envoy really asked the processor (no fail-open) for about every request.
+            assert row["failed_open"] == 0
+            assert row["ext_proc_streams"] >= row["requests"]
+    for name in ("envoy_direct", "noop_buffered", "buffered_w1"):
+        assert json.loads(document["checks"][name]["reply"])["object"] == "chat.completion"
+
+
+def test_bench_overhead_config_selection():
+    from extproc.bench_overhead import select_configs
+
+    assert [c.name for c in select_configs("all")][-2:] == ["sglang", "vllm_router"]
+    assert [c.name for c in select_configs("vllm_router,direct,duplex")] == [
+        "envoy_direct",
+        "full_duplex_w1",
+        "full_duplex_w2",
+        "vllm_router",
+    ]
+    with pytest.raises(SystemExit, match="unknown config"):
+        select_configs("direct,nginx")
+
+
+def test_peer_command_lines():
+    """The peers' command lines (no install): cache_aware, loopback only, every worker."""
+    from pathlib import Path
+
+    from extproc import bench_live
+
+    python = Path("/cache/peers/x/bin/python")
+    servers = ["127.0.0.1:8001", "127.0.0.1:8002"]
+    sglang = bench_live.sglang_router_command(python, servers, 9000, 9001)
+    assert sglang[:3] == [str(python), "-m", "sglang_router.launch_router"]
+    vllm = bench_live.vllm_router_command(python, servers, 9000, 9001)
+    assert vllm[0] == "/cache/peers/x/bin/vllm-router"
+    for args in (sglang, vllm):
+        assert args[args.index("--worker-urls") + 1 : args.index("--worker-urls") + 3] == [
+            "http://127.0.0.1:8001",
+            "http://127.0.0.1:8002",
+        ]
+        assert args[args.index("--policy") + 1] == "cache_aware"
+        assert args[args.index("--host") + 1] == "127.0.0.1"
+        assert args[args.index("--prometheus-host") + 1] == "127.0.0.1"
+        assert args[args.index("--port") + 1] == "9000"
+        assert args[args.index("--prometheus-port") + 1] == "9001"
+        assert "0.0.0.0" not in args
+    assert "--tokenizer-path" not in sglang
+    with_tokenizer = bench_live.sglang_router_command(python, servers, 1, 2, Path("/m"))
+    assert with_tokenizer[with_tokenizer.index("--tokenizer-path") + 1] == "/m"
+
+
+@pytest.mark.envoy
+def test_instant_upstreams_answer_what_the_peers_call(tmp_path):
+    """/health, vLLM's render endpoint (token ids, for vllm-router) and the chat call."""
+    import subprocess
+    import time
+    import urllib.request
+
+    import yaml
+
+    from extproc.bench_overhead import UPSTREAM_BODY, instant_upstreams
+    from extproc.stack import envoy_binary, port_open
+
+    bootstrap, addresses = instant_upstreams(1)
+    config = tmp_path / "upstreams.yaml"
+    config.write_text(yaml.safe_dump(bootstrap))
+    envoy = subprocess.Popen(
+        [envoy_binary(), "-c", str(config), "--disable-hot-restart", "-l", "warning"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        port = int(addresses[0].rsplit(":", 1)[1])
+        deadline = time.monotonic() + 30
+        while not port_open(port):
+            assert envoy.poll() is None and time.monotonic() < deadline, "upstream Envoy died"
+            time.sleep(0.05)
+        base = f"http://{addresses[0]}"
+
+        def post(path: str, body: bytes) -> tuple[int, bytes]:
+            request = urllib.request.Request(
+                base + path, data=body, headers={"content-type": "application/json"}
+            )
+            with urllib.request.urlopen(request, timeout=5) as response:
+                return response.status, response.read()
+
+        with urllib.request.urlopen(base + "/health", timeout=5) as response:
+            assert response.status == 200
+        body = b'{"messages":[{"role":"user","content":"conversation 7 ' + b"x" * 4000 + b'"}]}'
+        status, reply = post("/v1/chat/completions/render", body)
+        tokens = json.loads(reply)["token_ids"]
+        assert status == 200 and len(tokens) == len(body) // 4
+        assert tokens[12] == 20007 and tokens[:12] == [9001] * 12
+        assert post("/v1/chat/completions", body) == (200, UPSTREAM_BODY.encode())
+    finally:
+        envoy.terminate()
+        envoy.wait(10)
