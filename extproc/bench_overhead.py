@@ -455,20 +455,7 @@ def start_config(stack: Stack, config: Config, upstreams: list[str]) -> Running:
             name=f"router-{config.name}",
         )
     elif config.kind == "noop":
-        port = int(router_address.rsplit(":", 1)[1])
-        router = stack._spawn(
-            f"processor-{config.name}",
-            [
-                sys.executable,
-                "-m",
-                "extproc.noop_processor",
-                "--host",
-                LOOPBACK,
-                "--port",
-                str(port),
-            ],
-        )
-        wait_for_port(port, router)
+        router_address, router = stack.start_noop_processor(f"processor-{config.name}")
     port, admin = free_port(), free_port()
     options = envoyconf.EnvoyOptions(
         mode="round-robin" if config.kind == "direct" else "override-host",

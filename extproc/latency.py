@@ -1,9 +1,11 @@
 """`prefix-router bench latency`: what the router adds to one request's latency.
 
-Two Envoys in front of the same instant-answer stand-in replicas: one with the ext_proc
-filter and the router, one plain round robin. One keep-alive connection each, requests
-alternate between the two (A, B, A, B, ...) so machine noise hits both alike; the figure is
-the difference of the medians. Sequential, bounded by --requests.
+Three Envoys in front of the same instant-answer stand-in replicas: one with the ext_proc
+filter and the router, one with the same filter and a no-op Python processor
+(extproc.noop_processor: the floor of any Python grpc.aio ext_proc service; BUFFERED only),
+one plain round robin. One keep-alive connection each, requests alternate between them
+(A, B, C, A, B, C, ...) so machine noise hits all alike; the figures are differences of the
+medians. Sequential, bounded by --requests.
 """
 
 from __future__ import annotations
@@ -89,11 +91,17 @@ def run(args: argparse.Namespace) -> int:
         router, _ = stack.start_router(
             replicas, body_mode=args.body_mode, extra_args=router_args_for(args.mode)
         )
+        processors = {"with_router": router}
+        if args.body_mode == "buffered":
+            processors["with_noop"], _ = stack.start_noop_processor()
         ports = {}
-        for label, mode in (("with_router", args.mode), ("envoy_only", "round-robin")):
+        for label, processor in processors.items():
             ports[label], _ = stack.start_proxy(
-                mode, replicas, router, args.body_mode, name=f"envoy-{label}"
+                args.mode, replicas, processor, args.body_mode, name=f"envoy-{label}"
             )
+        ports["envoy_only"], _ = stack.start_proxy(
+            "round-robin", replicas, None, args.body_mode, name="envoy-envoy_only"
+        )
         conns = {k: http.client.HTTPConnection(LOOPBACK, p, timeout=10) for k, p in ports.items()}
         samples: dict[str, list[float]] = {k: [] for k in conns}
         for i in range(50):  # warm-up: connections, Envoy and the router's code paths
@@ -108,6 +116,9 @@ def run(args: argparse.Namespace) -> int:
         results[label] = _stats(values)
     added = round(results["with_router"]["p50_ms"] - results["envoy_only"]["p50_ms"], 3)
     results["added_p50_ms"] = added
+    if "with_noop" in results:
+        floor = round(results["with_noop"]["p50_ms"] - results["envoy_only"]["p50_ms"], 3)
+        results["noop_added_p50_ms"] = floor
     results["params"] = {
         "requests": args.requests,
         "body_bytes": args.body_bytes,
@@ -116,12 +127,18 @@ def run(args: argparse.Namespace) -> int:
         "command": "prefix-router bench latency " + " ".join(sys.argv[3:]),
     }
     print(f"{'':14}{'p50 ms':>9}{'p90 ms':>9}{'p99 ms':>9}{'mean ms':>9}")
-    for label in ("envoy_only", "with_router"):
+    for label in ("envoy_only", "with_noop", "with_router"):
+        if label not in results:
+            continue
         r = results[label]
         print(
             f"{label:14}{r['p50_ms']:9.3f}{r['p90_ms']:9.3f}{r['p99_ms']:9.3f}{r['mean_ms']:9.3f}"
         )
     print(f"router adds {added:.3f} ms at p50 ({args.requests} requests each, alternating)")
+    if "noop_added_p50_ms" in results:
+        print(
+            f"a no-op Python ext_proc processor adds {results['noop_added_p50_ms']:.3f} ms at p50"
+        )
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2) + "\n")
     return 0

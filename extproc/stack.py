@@ -220,6 +220,14 @@ class Stack:
             self.replicas.append(f"{LOOPBACK}:{port}")
         return self.replicas[-count:]
 
+    def start_noop_processor(self, name: str = "noop-processor") -> tuple[str, ManagedProcess]:
+        """extproc.noop_processor on a free loopback port: the ext_proc floor (benchmarks)."""
+        port = free_port()
+        args = ["-m", "extproc.noop_processor", "--host", LOOPBACK, "--port", str(port)]
+        proc = self._spawn(name, [sys.executable, *args])
+        wait_for_port(port, proc)
+        return f"{LOOPBACK}:{port}", proc
+
     def start_router(
         self,
         endpoints: Sequence[str],

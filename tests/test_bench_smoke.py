@@ -53,10 +53,13 @@ def test_bench_latency_short(tmp_path):
     out = tmp_path / "latency.json"
     assert main(["bench", "latency", "--requests", "30", "--json", str(out)]) == 0
     result = json.loads(out.read_text())
-    for label in ("envoy_only", "with_router"):
+    for label in ("envoy_only", "with_noop", "with_router"):
         assert 0 < result[label]["p50_ms"] <= result[label]["p99_ms"]
     assert result["added_p50_ms"] == pytest.approx(
         result["with_router"]["p50_ms"] - result["envoy_only"]["p50_ms"], abs=1e-3
+    )
+    assert result["noop_added_p50_ms"] == pytest.approx(
+        result["with_noop"]["p50_ms"] - result["envoy_only"]["p50_ms"], abs=1e-3
     )
 
 
