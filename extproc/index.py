@@ -166,9 +166,10 @@ class PrefixIndex:
         Stopping at the first hole under-reads what the endpoint holds and costs hits;
         running to the last held block over-reads it and costs tail latency (GAP = 4 was the
         best of 1, 2, 3, 4 and "last held" in the simulator, docs/benchmarks.md).
-        Beyond ``_DIRECT_PAIRS`` (endpoint, block) pairs it gallops: a probe at block p
-        (p = 0, 1, 3, 7, ...) is a gap when blocks p .. p+GAP-1 are all missing; then every
-        block between an endpoint's last probe without a gap and its first gap is checked.
+        Beyond ``_DIRECT_PAIRS`` (endpoint, block) pairs it gallops: probes at blocks
+        0, 1, 3, 7, ... for every endpoint at once; a missing probe p starts a gap when
+        blocks p .. p+GAP-1 are all missing; then every block between an endpoint's last
+        probe before its first gap and that gap is checked.
         """
         count, endpoints = len(hashes), len(positions)
         if not count or not endpoints:
@@ -181,15 +182,32 @@ class PrefixIndex:
             return np.where(gaps.any(axis=1), gaps.argmax(axis=1), count)
         probes = _probes(count)
         width = len(probes)
-        looked_up = np.minimum(np.concatenate([probes + t for t in range(GAP)]), count - 1)
-        held = self._held(
-            offsets, sizes, fingerprints[looked_up][None, :], keys[looked_up][None, :]
-        )
-        # A gap at probe p: blocks p .. p + GAP - 1 all missing (past the last: missing).
-        gap = np.ones((endpoints, width), dtype=bool)
-        for t in range(GAP):
-            gap &= ~held[:, t * width : (t + 1) * width] | (probes + t >= count)
-        first_gap = np.where(gap.any(axis=1), gap.argmax(axis=1), width)
+        held = self._held(offsets, sizes, fingerprints[probes][None, :], keys[probes][None, :])
+        # The first probe that starts a gap: a missing probe p is one when blocks
+        # p+1 .. p+GAP-1 are missing too; else it is a short hole, bridged, and the next
+        # missing probe is checked (rarely more than one round).
+        first_gap = np.full(endpoints, width)
+        pending = np.arange(endpoints)
+        after = np.zeros(endpoints, dtype=np.int64)  # probes before this one were bridged
+        columns = np.arange(width)
+        while len(pending):
+            missing = ~held[pending] & (columns >= after[pending, None])
+            has_missing = missing.any(axis=1)
+            pending, probe = pending[has_missing], missing[has_missing].argmax(axis=1)
+            if not len(pending):
+                break
+            window = probes[probe][:, None] + np.arange(1, GAP)  # the blocks after the probe
+            inside = window < count
+            window_held = self._held(
+                offsets[pending],
+                sizes[pending],
+                fingerprints[np.minimum(window, count - 1)],
+                keys[np.minimum(window, count - 1)],
+            )
+            gap = ~(window_held & inside).any(axis=1)
+            first_gap[pending[gap]] = probe[gap]
+            after[pending[~gap]] = probe[~gap] + 1
+            pending = pending[~gap]
         matched = np.where(first_gap == width, count, 0)
         partial = np.flatnonzero((first_gap > 0) & (first_gap < width))
         if not len(partial):
