@@ -122,7 +122,8 @@ def profile(size: int, endpoints: int, requests: int) -> dict[str, float]:
     return shares
 
 
-def _rss_bytes() -> int:
+def rss_bytes() -> int:
+    """This process's resident set size (Linux /proc)."""
     with open("/proc/self/status") as status:
         for line in status:
             if line.startswith("VmRSS:"):
@@ -133,7 +134,7 @@ def _rss_bytes() -> int:
 def index_memory(endpoints: int, blocks: int, seed: int = 1) -> dict[str, Any]:
     """The index of ``endpoints`` endpoints x ``blocks`` blocks each, filled with distinct
     blocks (through the router's own ``record``): its own report against the RSS growth."""
-    rss_before = _rss_bytes()
+    rss_before = rss_bytes()
     config = RoutingConfig(block_size_bytes=64, bytes_per_token=4.0)
     router = Router(
         config,
@@ -155,7 +156,7 @@ def index_memory(endpoints: int, blocks: int, seed: int = 1) -> dict[str, Any]:
         "blocks_per_endpoint": blocks,
         "entries": stats.entries,
         "reported_bytes": stats.approx_bytes,
-        "rss_growth_bytes": _rss_bytes() - rss_before,
+        "rss_growth_bytes": rss_bytes() - rss_before,
         "fill_seconds": round(time.perf_counter() - started, 1),
     }
 

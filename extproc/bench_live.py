@@ -385,6 +385,24 @@ def ensure_peer(requirement: str) -> Path:
     return lab.ensure_venv(f"peers/{name}", [requirement])
 
 
+def _common_peer_args(servers: Sequence[str], port: int, metrics_port: int) -> list[str]:
+    """What both Rust routers take alike: workers, cache_aware, loopback ports."""
+    return [
+        "--worker-urls",
+        *(f"http://{a}" for a in servers),
+        "--policy",
+        "cache_aware",
+        "--host",
+        LOOPBACK,
+        "--port",
+        str(port),
+        "--prometheus-host",
+        LOOPBACK,
+        "--prometheus-port",
+        str(metrics_port),
+    ]
+
+
 def sglang_router_command(
     python: Path,
     servers: Sequence[str],
@@ -397,18 +415,7 @@ def sglang_router_command(
         str(python),
         "-m",
         "sglang_router.launch_router",
-        "--worker-urls",
-        *(f"http://{a}" for a in servers),
-        "--policy",
-        "cache_aware",
-        "--host",
-        LOOPBACK,
-        "--port",
-        str(port),
-        "--prometheus-host",
-        LOOPBACK,
-        "--prometheus-port",
-        str(metrics_port),
+        *_common_peer_args(servers, port, metrics_port),
         *(["--tokenizer-path", str(tokenizer_path)] if tokenizer_path is not None else []),
         "--log-level",
         "warn",
@@ -421,18 +428,7 @@ def vllm_router_command(
     """vllm-router (cache_aware) in front of ``servers`` (``ip:port``), on loopback."""
     return [
         str(python.with_name("vllm-router")),
-        "--worker-urls",
-        *(f"http://{a}" for a in servers),
-        "--policy",
-        "cache_aware",
-        "--host",
-        LOOPBACK,
-        "--port",
-        str(port),
-        "--prometheus-host",
-        LOOPBACK,
-        "--prometheus-port",
-        str(metrics_port),
+        *_common_peer_args(servers, port, metrics_port),
         "--log-level",
         "warning",
     ]

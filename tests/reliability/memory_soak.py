@@ -23,19 +23,12 @@ from pathlib import Path
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from extproc.bench_core import rss_bytes
 from extproc.config import EndpointConfig, RoutingConfig
 from extproc.prompt import LLMRequest
 from extproc.router import Router
 
 SYSTEM = b"\x01system\x02You are a helpful assistant. Answer precisely and briefly.\x03" * 2
-
-
-def rss_bytes() -> int:
-    with open("/proc/self/status") as status:
-        for line in status:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    return 0
 
 
 def request(i: int) -> LLMRequest:
