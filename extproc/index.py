@@ -26,7 +26,8 @@ from functools import lru_cache
 import numpy as np
 
 WAYS = 8
-_ANY = np.uint64  # WAYS booleans read as one integer: nonzero = any way matched
+# WAYS booleans read as one integer: nonzero = any way matched.
+_ANY = {4: np.uint32, 8: np.uint64}[WAYS]
 _LOW32 = np.uint64(0xFFFFFFFF)
 _SHIFT32 = np.uint64(32)
 # Up to this many (endpoint, block) pairs a lookup checks every block (a few numpy
