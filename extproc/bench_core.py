@@ -53,15 +53,25 @@ def chat_bodies(size: int, count: int, conversations: int, seed: int = 1) -> lis
     return bodies
 
 
-def measure(size: int, endpoints: int, requests: int) -> dict[str, Any]:
-    config = RoutingConfig()
-    router = Router(
-        config,
-        [EndpointConfig(address=f"10.{i // 250}.{i % 250}.1:8000") for i in range(endpoints)],
-    )
+def _endpoints(count: int, capacity_tokens: int | None = None) -> list[EndpointConfig]:
+    return [
+        EndpointConfig(address=f"10.{i // 250}.{i % 250}.1:8000", capacity_tokens=capacity_tokens)
+        for i in range(count)
+    ]
+
+
+def _warmed(size: int, endpoints: int, requests: int) -> tuple[Router, list[bytes]]:
+    """A router whose index the first ``requests`` of 2 x ``requests`` bodies filled, and
+    all the bodies (the second half is the one to time)."""
+    router = Router(RoutingConfig(), _endpoints(endpoints))
     bodies = chat_bodies(size, requests * 2, conversations=max(4, endpoints))
-    for body in bodies[:requests]:  # warm-up: fill the index
+    for body in bodies[:requests]:
         router.finish(router.route(parse_request("chat", body)))
+    return router, bodies
+
+
+def measure(size: int, endpoints: int, requests: int) -> dict[str, Any]:
+    router, bodies = _warmed(size, endpoints, requests)
     timings = []
     gc.collect()
     perf = time.perf_counter_ns
@@ -100,13 +110,7 @@ def profile(size: int, endpoints: int, requests: int) -> dict[str, float]:
     import cProfile
     import pstats
 
-    router = Router(
-        RoutingConfig(),
-        [EndpointConfig(address=f"10.{i // 250}.{i % 250}.1:8000") for i in range(endpoints)],
-    )
-    bodies = chat_bodies(size, requests * 2, conversations=max(4, endpoints))
-    for body in bodies[:requests]:
-        router.finish(router.route(parse_request("chat", body)))
+    router, bodies = _warmed(size, endpoints, requests)
     profiler = cProfile.Profile()
     profiler.enable()
     for body in bodies[requests:]:
@@ -136,13 +140,7 @@ def index_memory(endpoints: int, blocks: int, seed: int = 1) -> dict[str, Any]:
     blocks (through the router's own ``record``): its own report against the RSS growth."""
     rss_before = rss_bytes()
     config = RoutingConfig(block_size_bytes=64, bytes_per_token=4.0)
-    router = Router(
-        config,
-        [
-            EndpointConfig(address=f"10.{i // 250}.{i % 250}.1:8000", capacity_tokens=blocks * 16)
-            for i in range(endpoints)
-        ],
-    )
+    router = Router(config, _endpoints(endpoints, capacity_tokens=blocks * 16))
     rng = np.random.default_rng(seed)
     started = time.perf_counter()
     for position in range(endpoints):

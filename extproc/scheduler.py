@@ -84,26 +84,6 @@ class EndpointTable:
     def address(self, i: int) -> str:
         return self.addresses[i if self.rows is None else int(self.rows[i])]
 
-    @classmethod
-    def of(
-        cls,
-        addresses: Sequence[str],
-        load: Sequence[float] | None = None,
-        work: Sequence[float] | None = None,
-        matched: dict[str, int] | None = None,
-        **arrays: Any,
-    ) -> EndpointTable:
-        """From plain values (tests, small tools); the router builds arrays directly."""
-        count = len(addresses)
-        return cls(
-            addresses=list(addresses),
-            load=np.asarray(load if load is not None else [0.0] * count, dtype=np.float64),
-            work=np.asarray(work if work is not None else [0.0] * count, dtype=np.float64),
-            matched=np.array([(matched or {}).get(a, 0) for a in addresses], dtype=np.int64),
-            address_hash=np.array([address_hash(a) for a in addresses], dtype=np.uint64),
-            **{k: np.asarray(v) for k, v in arrays.items()},
-        )
-
 
 def address_hash(address: str) -> int:
     return xxh3_64_intdigest(address.encode())
