@@ -73,6 +73,12 @@ def _gap_starts(missing: np.ndarray, room: np.ndarray | None = None) -> np.ndarr
     return gaps
 
 
+def _bucket_rows(offsets: np.ndarray, sizes: np.ndarray, keys: np.ndarray) -> np.ndarray:
+    """The bucket (table row) of each block key in its endpoint's region (arrays broadcast):
+    offset + key x buckets / 2^32, a multiply instead of a (slow) 64-bit modulo."""
+    return (offsets + ((keys * sizes) >> _SHIFT32)).astype(np.intp)
+
+
 @lru_cache(maxsize=64)
 def _probes(count: int) -> np.ndarray:
     """Galloping probe positions for a request of ``count`` blocks: 0, 1, 3, 7, ..., last."""
@@ -150,9 +156,7 @@ class PrefixIndex:
         self, offsets: np.ndarray, sizes: np.ndarray, fingerprints: np.ndarray, keys: np.ndarray
     ) -> np.ndarray:
         """Whether each (endpoint region, block) pair is in the table (arrays broadcast)."""
-        # Bucket = key x buckets / 2^32: a multiply instead of a (slow) 64-bit modulo.
-        rows = (offsets + ((keys * sizes) >> _SHIFT32)).astype(np.intp)
-        slots = np.take(self._fingerprints, rows, axis=0)
+        slots = np.take(self._fingerprints, _bucket_rows(offsets, sizes, keys), axis=0)
         equal = slots == fingerprints[..., None]
         return equal.view(_ANY)[..., 0] != 0  # any of the ways (WAYS bools = one integer)
 
@@ -265,9 +269,7 @@ class PrefixIndex:
         self._clock += count + 1
         fingerprints, keys = self._split(hashes)
         order = np.arange(base + count, base, -1, dtype=np.uint64)  # block 0 newest
-        rows = (np.uint64(region.offset) + ((keys * np.uint64(region.buckets)) >> _SHIFT32)).astype(
-            np.intp
-        )
+        rows = _bucket_rows(np.uint64(region.offset), np.uint64(region.buckets), keys)
         table, stamps = self._fingerprints.reshape(-1), self._stamps.reshape(-1)  # views
         hit = np.take(self._fingerprints, rows, axis=0) == fingerprints[:, None]
         hit_blocks, hit_ways = np.nonzero(hit)
