@@ -12,12 +12,16 @@ import dataclasses
 import datetime
 import importlib
 import json
+import os
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
+from .config import RoutingConfig
+from .sim import grid as sim_grid
 from .sim.engine import SimParams, simulate
+from .sim.grid import CAPACITIES
 from .sim.policies import ALL_POLICIES, BOUNDS, ideal_hit_tokens
 from .sim.replica import CostModel
 from .sim.report import plot, summarize, table
@@ -89,6 +93,31 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--sweep-k", help="also run router replicas K in this comma list (e.g. 1,2,4,8)"
     )
     sim.add_argument("--no-progress", action="store_true", help="no progress bar")
+    add_grid_arguments(sub.add_parser("grid", help="simulator grid: ours vs best peer per cell"))
+
+
+def add_grid_arguments(grid: argparse.ArgumentParser) -> None:
+    grid.add_argument("--trace", help="Mooncake JSONL trace, for the mooncake workload")
+    grid.add_argument(
+        "--workloads",
+        default=",".join(sim_grid.DEFAULT_WORKLOADS),
+        help=f"comma list of {', '.join(CAPACITIES)} (each at its tight and loose KV size)",
+    )
+    grid.add_argument("--replicas", default="4,8,16", help="comma list of replica counts")
+    grid.add_argument("--router-replicas", default="1,4", help="comma list of K for ours")
+    grid.add_argument("--policies", default="all", help="comma list or 'all'")
+    grid.add_argument(
+        "--routing",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a routing setting for ours (repeatable), e.g. stickiness=2",
+    )
+    grid.add_argument(
+        "--peers-from", help="reuse the peers' results from this grid JSON (simulate ours only)"
+    )
+    grid.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="worker processes")
+    grid.add_argument("--json", dest="json_out", help="write results as JSON here")
 
 
 def _cost_model(pairs: list[str]) -> CostModel:
@@ -132,7 +161,76 @@ def _policy_names(spec: str) -> list[str]:
 def run(args: argparse.Namespace) -> int:
     if args.bench in OTHER_BENCHMARKS:
         return importlib.import_module(OTHER_BENCHMARKS[args.bench][0]).run(args)
+    if args.bench == "grid":
+        return grid_command(args)
     return simulate_command(args)
+
+
+def _routing_overrides(pairs: list[str]) -> dict[str, Any]:
+    overrides: dict[str, Any] = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or key not in RoutingConfig.model_fields:
+            raise SystemExit(
+                f"--routing {pair!r}: expected KEY=VALUE with KEY a routing setting "
+                f"({', '.join(sorted(RoutingConfig.model_fields))})"
+            )
+        overrides[key] = value
+    try:
+        return RoutingConfig(**overrides).model_dump(include=set(overrides))
+    except ValueError as error:
+        raise SystemExit(f"--routing: {error}") from None
+
+
+def _int_list(flag: str, text: str) -> list[int]:
+    try:
+        return sorted({int(v) for v in text.split(",") if v.strip()})
+    except ValueError:
+        raise SystemExit(f"{flag} {text!r}: expected a comma list of integers") from None
+
+
+def grid_command(args: argparse.Namespace) -> int:
+    from tqdm import tqdm
+
+    started = time.perf_counter()
+    workloads = [w.strip() for w in args.workloads.split(",") if w.strip()]
+    unknown = [w for w in workloads if w not in CAPACITIES]
+    if unknown:
+        raise SystemExit(f"--workloads: unknown {unknown}; choose from {', '.join(CAPACITIES)}")
+    replicas = _int_list("--replicas", args.replicas)
+    ks = sorted({1, *_int_list("--router-replicas", args.router_replicas)})
+    routing = _routing_overrides(args.routing)
+    names = _policy_names(args.policies)
+    peers: dict[sim_grid.Cell, dict[str, dict[str, Any]]] = {}
+    if args.peers_from:
+        peers = sim_grid.load_peers(args.peers_from)
+        names = [sim_grid.OURS]
+    todo = sim_grid.cells(workloads, replicas, ks)
+    runs = sum(1 for c in todo for p in names if p == sim_grid.OURS or c.router_replicas == 1)
+    bar = tqdm(total=runs, unit="run", file=sys.stderr, disable=None)
+    results = sim_grid.run_grid(
+        todo, names, args.trace, routing, args.jobs, lambda *_: bar.update(1)
+    )
+    bar.close()
+    for cell, by_policy in peers.items():
+        if cell in results:
+            results[cell] = {**by_policy, **results[cell]}
+    rows = sim_grid.verdicts(results)
+    print(f"routing overrides: {routing or 'none'}; {runs} runs, {args.jobs} worker processes")
+    print(sim_grid.markdown(rows))
+    print(sim_grid.summary_line(rows))
+    wall = time.perf_counter() - started
+    print(f"{wall:.1f} s wall")
+    if args.json_out:
+        doc = {
+            "cells": sim_grid.to_json(results),
+            "routing_overrides": routing,
+            "summary": sim_grid.summary_line(rows),
+            "wall_seconds": round(wall, 2),
+            "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        }
+        Path(args.json_out).write_text(json.dumps(doc, indent=2) + "\n")
+    return 0
 
 
 def simulate_command(args: argparse.Namespace) -> int:

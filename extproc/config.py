@@ -164,7 +164,7 @@ class RoutingConfig(_Strict):
         "(0 = hold it until the request ends)",
     )
     stickiness: float = Field(
-        default=4.0, ge=0, description="extra cost per token an endpoint lacks vs the best holder"
+        default=8.0, ge=0, description="extra cost per token an endpoint lacks vs the best holder"
     )
     cold_margin: float = Field(
         default=0.5,

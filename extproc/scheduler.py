@@ -120,7 +120,7 @@ class CostModel:
     # 0 = never drain, hold each charge until its request finishes.
     drain_per_second: float = 60_000.0
     # Extra cost per token an endpoint lacks against the best-matching eligible endpoint.
-    stickiness: float = 4.0
+    stickiness: float = 8.0
     # Cold start: skip rendezvous picks whose cost exceeds the cheapest by more than this
     # fraction of the request's own cold prefill.
     cold_margin: float = 0.5

@@ -1,0 +1,239 @@
+"""The simulator grid: workloads x replicas x tight/loose KV x router replicas K, every cell a
+plain `simulate` run, spread over worker processes.
+
+It answers the question issue #3 asks of our scheduler — in each cell, is ours' hit ratio the
+highest of the non-oracle policies and its TTFT p99 the lowest, and how much does K=4 lose
+against K=1 — with one command, so a tuning change can be judged on all cells at once.
+Peers do not depend on our routing configuration: ``--peers-from`` reuses their figures from
+an earlier grid JSON, so a tuning run only re-simulates ours.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ..config import RoutingConfig
+from .engine import SimParams, simulate
+from .policies import ALL_POLICIES, BOUNDS, ideal_hit_tokens
+from .replica import CostModel
+from .report import summarize
+from .workloads import PRESETS, Workload, load_mooncake
+
+# Tight (evicts) and loose KV capacity per replica, in tokens, per workload.
+CAPACITIES: dict[str, tuple[int, int]] = {
+    "mooncake": (200_000, 1_000_000),
+    "gaie-high-cache": (100_000, 400_000),
+    "multi-turn-chat": (50_000, 400_000),
+    # Small shapes for tests and quick looks.
+    "small-shared-prefix": (5_000, 40_000),
+    "small-multi-turn": (5_000, 40_000),
+}
+# The grid of docs/benchmarks.md.
+DEFAULT_WORKLOADS = ("mooncake", "gaie-high-cache", "multi-turn-chat")
+OURS = "ours"
+
+
+@dataclass(frozen=True, slots=True)
+class Cell:
+    workload: str
+    replicas: int
+    capacity_tokens: int
+    router_replicas: int = 1
+
+    @property
+    def name(self) -> str:
+        return f"{self.workload} {self.replicas}x{self.capacity_tokens} K={self.router_replicas}"
+
+
+def cells(workloads: Sequence[str], replicas: Sequence[int], ks: Sequence[int]) -> list[Cell]:
+    return [
+        Cell(w, n, c, k) for w in workloads for n in replicas for c in CAPACITIES[w] for k in ks
+    ]
+
+
+@functools.cache
+def _workload(name: str, trace: str | None) -> Workload:
+    if name == "mooncake":
+        if not trace:
+            raise SystemExit("the mooncake workload needs --trace (the Mooncake JSONL file)")
+        return load_mooncake(trace)
+    return PRESETS[name](seed=0)
+
+
+@functools.cache
+def _ideal(name: str, trace: str | None, block_tokens: int) -> float:
+    requests = _workload(name, trace).requests
+    prompt = sum(r.input_tokens for r in requests)
+    return ideal_hit_tokens(requests, block_tokens) / max(1, prompt)
+
+
+def run_one(
+    cell: Cell, policy: str, trace: str | None, routing: dict[str, Any]
+) -> tuple[Cell, str, dict[str, Any]]:
+    """One simulation (runs in a worker process; everything it takes is picklable)."""
+    cost = CostModel()
+    params = SimParams(
+        replicas=cell.replicas,
+        capacity_tokens=cell.capacity_tokens,
+        router_replicas=cell.router_replicas,
+        cost=cost,
+        routing=RoutingConfig(**routing),
+    )
+    workload = _workload(cell.workload, trace)
+    result = simulate(workload, policy, params)
+    return cell, policy, summarize(result, _ideal(cell.workload, trace, cost.kv_block_tokens))
+
+
+def run_grid(
+    grid: Iterable[Cell],
+    policies: Sequence[str],
+    trace: str | None,
+    routing: dict[str, Any],
+    jobs: int,
+    done: Callable[[Cell, str, dict[str, Any]], None] | None = None,
+) -> dict[Cell, dict[str, dict[str, Any]]]:
+    """Peers and bounds run at K=1 only (their K sweep is `simulate --sweep-k`'s job)."""
+    work = [
+        (cell, policy)
+        for cell in grid
+        for policy in policies
+        if policy == OURS or cell.router_replicas == 1
+    ]
+    # Longest first (Mooncake's big prompts, then the 8k-request GAIE runs) keeps workers busy.
+    work.sort(
+        key=lambda item: (item[0].workload != "gaie-high-cache", item[0].workload != "mooncake")
+    )
+    out: dict[Cell, dict[str, dict[str, Any]]] = {}
+    with ProcessPoolExecutor(max_workers=max(1, jobs)) as pool:
+        futures = [pool.submit(run_one, c, p, trace, routing) for c, p in work]
+        for future in futures:
+            cell, policy, summary = future.result()
+            out.setdefault(cell, {})[policy] = summary
+            if done is not None:
+                done(cell, policy, summary)
+    return out
+
+
+def to_json(results: dict[Cell, dict[str, dict[str, Any]]]) -> list[dict[str, Any]]:
+    return [
+        {
+            "workload": c.workload,
+            "replicas": c.replicas,
+            "capacity_tokens": c.capacity_tokens,
+            "router_replicas": c.router_replicas,
+            "policies": policies,
+        }
+        for c, policies in results.items()
+    ]
+
+
+def from_json(rows: list[dict[str, Any]]) -> dict[Cell, dict[str, dict[str, Any]]]:
+    return {
+        Cell(r["workload"], r["replicas"], r["capacity_tokens"], r["router_replicas"]): r[
+            "policies"
+        ]
+        for r in rows
+    }
+
+
+def load_peers(path: str | os.PathLike[str]) -> dict[Cell, dict[str, dict[str, Any]]]:
+    doc = json.loads(Path(path).read_text())
+    rows = from_json(doc["cells"])
+    return {
+        cell: {p: s for p, s in policies.items() if p != OURS}
+        for cell, policies in rows.items()
+        if cell.router_replicas == 1
+    }
+
+
+@dataclass(frozen=True, slots=True)
+class Verdict:
+    """Ours against the best non-oracle peer in one (workload, replicas, capacity) cell."""
+
+    cell: Cell
+    hit: float
+    p99: float
+    best_hit: tuple[str, float, float]  # peer, its hit ratio, its p99
+    best_p99: tuple[str, float, float]  # peer, its p99, its hit ratio
+    hit_k: dict[int, float]
+
+    @property
+    def wins_hit(self) -> bool:
+        return self.hit >= self.best_hit[1]
+
+    @property
+    def wins_p99(self) -> bool:
+        return self.p99 <= self.best_p99[1]
+
+
+def verdicts(results: dict[Cell, dict[str, dict[str, Any]]]) -> list[Verdict]:
+    base = [c for c in results if c.router_replicas == 1 and OURS in results[c]]
+    out = []
+    for cell in base:
+        policies = results[cell]
+        peers = {
+            p: s for p, s in policies.items() if p != OURS and p not in BOUNDS and p in ALL_POLICIES
+        }
+        if not peers:
+            continue
+        ours = policies[OURS]
+        hit_peer = max(peers, key=lambda p: (peers[p]["hit_ratio"], -peers[p]["ttft_p99_ms"]))
+        p99_peer = min(peers, key=lambda p: (peers[p]["ttft_p99_ms"], -peers[p]["hit_ratio"]))
+        hit_k = {
+            c.router_replicas: results[c][OURS]["hit_ratio"]
+            for c in results
+            if OURS in results[c]
+            and (c.workload, c.replicas, c.capacity_tokens)
+            == (cell.workload, cell.replicas, cell.capacity_tokens)
+        }
+        out.append(
+            Verdict(
+                cell,
+                ours["hit_ratio"],
+                ours["ttft_p99_ms"],
+                (hit_peer, peers[hit_peer]["hit_ratio"], peers[hit_peer]["ttft_p99_ms"]),
+                (p99_peer, peers[p99_peer]["ttft_p99_ms"], peers[p99_peer]["hit_ratio"]),
+                hit_k,
+            )
+        )
+    return out
+
+
+def markdown(rows: Sequence[Verdict]) -> str:
+    """The docs/benchmarks.md grid table; bold = ours at least as good as every peer."""
+    ks = sorted({k for v in rows for k in v.hit_k if k != 1})
+    head = (
+        "| workload | replicas × KV tokens | ours hit | ours p99 ms | best peer hit (who, its p99)"
+        " | best peer p99 (who, its hit) |" + "".join(f" ours K={k} hit (vs K=1) |" for k in ks)
+    )
+    lines = [head, "|" + "---|" * (6 + len(ks))]
+    for v in rows:
+        hit = f"**{v.hit:.3f}**" if v.wins_hit else f"{v.hit:.3f}"
+        p99 = f"**{v.p99:.0f}**" if v.wins_p99 else f"{v.p99:.0f}"
+        by_k = "".join(
+            f" {v.hit_k[k]:.3f} ({v.hit_k[k] - v.hit:+.3f}) |" if k in v.hit_k else " |" for k in ks
+        )
+        lines.append(
+            f"| {v.cell.workload} | {v.cell.replicas} × {v.cell.capacity_tokens:,} | {hit} | {p99} "
+            f"| {v.best_hit[1]:.3f} ({v.best_hit[0]}, {v.best_hit[2]:.0f}) "
+            f"| {v.best_p99[1]:.0f} ({v.best_p99[0]}, {v.best_p99[2]:.3f}) |{by_k}"
+        )
+    return "\n".join(lines)
+
+
+def summary_line(rows: Sequence[Verdict]) -> str:
+    hit = sum(v.wins_hit for v in rows)
+    p99 = sum(v.wins_p99 for v in rows)
+    both = sum(v.wins_hit and v.wins_p99 for v in rows)
+    text = f"ours best hit ratio in {hit}/{len(rows)} cells, best p99 in {p99}, both in {both}"
+    for k in sorted({k for v in rows for k in v.hit_k if k != 1}):
+        close = sum(1 for v in rows if k in v.hit_k and v.hit_k[k] >= v.hit - 0.02)
+        text += f"; K={k} within 0.02 of K=1 in {close}"
+    return text

@@ -1,0 +1,106 @@
+"""`prefix-router bench grid`: cells, the ours-vs-best-peer verdicts, reuse of peer results."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from extproc.cli import main
+from extproc.sim.grid import Cell, verdicts
+
+
+def _summary(hit: float, p99: float) -> dict[str, float]:
+    return {"hit_ratio": hit, "ttft_p99_ms": p99}
+
+
+def test_verdict_compares_ours_with_the_best_non_oracle_peer() -> None:
+    cell = Cell("w", 4, 1000)
+    results = {
+        cell: {
+            "ours": _summary(0.80, 100.0),
+            "sglang": _summary(0.81, 120.0),
+            "round-robin": _summary(0.30, 90.0),
+            "oracle": _summary(0.99, 10.0),  # a bound, never a peer
+        },
+        Cell("w", 4, 1000, 4): {"ours": _summary(0.78, 130.0)},
+    }
+    (verdict,) = verdicts(results)
+    assert verdict.best_hit == ("sglang", 0.81, 120.0)
+    assert verdict.best_p99 == ("round-robin", 90.0, 0.30)
+    assert not verdict.wins_hit and not verdict.wins_p99
+    assert verdict.hit_k == {1: 0.80, 4: 0.78}
+    results[cell]["ours"] = _summary(0.81, 90.0)  # ties count as wins
+    (verdict,) = verdicts(results)
+    assert verdict.wins_hit and verdict.wins_p99
+
+
+def _grid(tmp_path, name: str, *extra: str) -> dict:
+    out = tmp_path / name
+    code = main(
+        [
+            "bench",
+            "grid",
+            "--workloads",
+            "small-multi-turn",
+            "--replicas",
+            "4",
+            "--router-replicas",
+            "1,2",
+            "--policies",
+            "ours,round-robin,sglang,oracle",
+            "--jobs",
+            "2",
+            "--json",
+            str(out),
+            *extra,
+        ]
+    )
+    assert code == 0
+    return json.loads(out.read_text())
+
+
+def test_grid_runs_every_cell_and_reuses_peer_results(tmp_path, capsys) -> None:
+    doc = _grid(tmp_path, "grid.json")
+    cells = {(c["capacity_tokens"], c["router_replicas"]): c["policies"] for c in doc["cells"]}
+    assert set(cells) == {(5_000, 1), (5_000, 2), (40_000, 1), (40_000, 2)}
+    for (_, k), policies in cells.items():
+        # Peers and bounds run once per cell, at K=1; ours at every K.
+        expected = {"ours", "round-robin", "sglang", "oracle"} if k == 1 else {"ours"}
+        assert set(policies) == expected
+    out = capsys.readouterr().out
+    assert "| small-multi-turn | 4 × 5,000 |" in out and "ours best hit ratio in" in out
+
+    again = _grid(
+        tmp_path,
+        "again.json",
+        "--peers-from",
+        str(tmp_path / "grid.json"),
+        "--routing",
+        "stickiness=0",
+    )
+    again_cells = {
+        (c["capacity_tokens"], c["router_replicas"]): c["policies"] for c in again["cells"]
+    }
+    assert again["routing_overrides"] == {"stickiness": 0.0}
+    for key, policies in cells.items():
+        # Peers copied from the first run; ours simulated again with the override.
+        assert set(again_cells[key]) == set(policies)
+        for name in set(policies) - {"ours"}:
+            assert again_cells[key][name] == policies[name]
+    assert any(again_cells[k]["ours"] != cells[k]["ours"] for k in cells)
+
+
+@pytest.mark.parametrize(
+    ("flag", "message"),
+    [
+        (["--routing", "stickyness=2"], "stickyness=2"),
+        (["--routing", "stickiness=-1"], "stickiness"),
+        (["--workloads", "nope"], "unknown ['nope']"),
+        (["--replicas", "four"], "--replicas"),
+    ],
+)
+def test_grid_rejects_bad_arguments_by_name(flag: list[str], message: str) -> None:
+    with pytest.raises(SystemExit) as error:
+        main(["bench", "grid", "--workloads", "small-multi-turn", *flag])
+    assert message in str(error.value)
