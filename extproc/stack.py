@@ -25,10 +25,21 @@ from . import envoyconf
 LOOPBACK = "127.0.0.1"
 
 
+_handed_out: set[int] = set()
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind((LOOPBACK, 0))
-        return s.getsockname()[1]
+    """A free loopback port this process has not handed out before. Callers bind it later
+    (often in a child process), so the kernel may offer the same port to the next call before
+    the first is bound: two replicas once got one port in CI."""
+    for _ in range(1000):
+        with socket.socket() as s:
+            s.bind((LOOPBACK, 0))
+            port = s.getsockname()[1]
+        if port not in _handed_out:
+            _handed_out.add(port)
+            return port
+    raise RuntimeError("no free loopback port left that this process has not handed out")
 
 
 def port_open(port: int, host: str = LOOPBACK) -> bool:
