@@ -23,6 +23,10 @@ The algorithm, top to bottom:
    lacks compared with the best-matching eligible endpoint; the cheapest wins. So a request
    stays with its prefix unless the queue there costs more than the prefill it would save
    (plus the stickiness premium, which stands for the later requests that reuse the prefix).
+   A new session drawn by a shared prefix alone (held, but not its own first turn) goes by
+   the rendezvous order among the endpoints whose cost is within cold_margin x its cold
+   prefill of the cheapest, as a cold start would: another router replica that sees only
+   its later turns cold-starts them by that same order (rule 3).
    Rule 'prefix_affinity', or 'load_guard' when a better-matching endpoint was passed over.
 3. Cold start: nobody eligible holds the session → rendezvous-hash the placement key over
    the eligible endpoints (highest hash wins), skipping an endpoint whose queued work
@@ -263,6 +267,13 @@ class Scheduler:
         if best_eligible_match >= needed and total_blocks:
             best_tokens = min(n, best_eligible_match * block_tokens)
             score = -(cost + model.stickiness * np.maximum(0.0, best_tokens - cached))
+            if best_eligible_match < session_blocks:
+                # Only a shared prefix is held, not the session's own: a new session. The
+                # rendezvous order among the endpoints within the cold-start margin of the
+                # best, not simply the best: another router replica that sees a later turn
+                # (and not this one) cold-starts it by the same rendezvous order.
+                top = float(score[eligible].max())
+                score = (score >= top - model.cold_margin * model.prefill(n, 0)).astype(float)
             # Eligible first, then the highest score, then the rendezvous order.
             order = np.lexsort((~rendezvous, -score, ~eligible))
             chosen = int(order[0])

@@ -338,3 +338,32 @@ def test_first_byte_releases_the_prefill_charge_but_not_the_in_flight_count():
     router.finish(decision)
     assert router.in_flight()[decision.endpoint] == 0
     assert router.queued_work()[decision.endpoint] == 0
+
+
+def test_a_session_drawn_by_a_shared_prompt_lands_where_other_routers_look_for_it():
+    """A new conversation under a long shared system prompt follows the prompt's holders,
+    and among holders with about the same queue it takes the rendezvous pick, not simply
+    the least queued: a router replica that sees only a later turn cold-starts it there."""
+    clock = Clock()
+    a, b = Router(RoutingConfig(), ENDPOINTS, clock=clock), Router(RoutingConfig(), ENDPOINTS)
+    for e in ENDPOINTS:  # steady state: both indexes know every endpoint holds the prompt
+        for router in (a, b):
+            warm = chat(f"warm-up for {e.address}? " * 10)
+            router.finish(router.route(warm, allowed=frozenset({e.address})))
+    homes = set()
+    for i in range(20):
+        # A little queued work (well within the cold-start margin) everywhere but endpoint 1.
+        jobs = [
+            a.route(completion("short job " * 40), allowed=frozenset({e.address}))
+            for e in ENDPOINTS[1:]
+        ]
+        clock.now += 0.035
+        first = a.route(chat(f"question {i}? " * 10))
+        assert first.rule == RULE_AFFINITY  # drawn by the shared prompt
+        later = b.route(chat(f"question {i}? " * 10, "an answer", "a follow-up"))  # b: new
+        assert later.endpoint == first.endpoint
+        homes.add(first.endpoint)
+        for d in [first, *jobs]:
+            a.finish(d)
+        b.finish(later)
+    assert len(homes) > 1  # not simply the one endpoint without queued work
