@@ -193,6 +193,8 @@ def grid_command(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
     started = time.perf_counter()
+    if args.json_out and not Path(args.json_out).parent.is_dir():
+        raise SystemExit(f"--json {args.json_out}: no such directory")
     workloads = [w.strip() for w in args.workloads.split(",") if w.strip()]
     unknown = [w for w in workloads if w not in CAPACITIES]
     if unknown:

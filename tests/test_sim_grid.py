@@ -29,7 +29,11 @@ def test_verdict_compares_ours_with_the_best_non_oracle_peer() -> None:
     assert verdict.best_hit == ("sglang", 0.81, 120.0)
     assert verdict.best_p99 == ("round-robin", 90.0, 0.30)
     assert not verdict.wins_hit and not verdict.wins_p99
+    assert verdict.dominated_by == ()  # each peer is worse on one of the two
     assert verdict.hit_k == {1: 0.80, 4: 0.78}
+    results[cell]["gaie"] = _summary(0.80, 99.0)  # as good on hit, better on p99
+    (verdict,) = verdicts(results)
+    assert verdict.dominated_by == ("gaie",)
     results[cell]["ours"] = _summary(0.81, 90.0)  # ties count as wins
     (verdict,) = verdicts(results)
     assert verdict.wins_hit and verdict.wins_p99
@@ -70,6 +74,8 @@ def test_grid_runs_every_cell_and_reuses_peer_results(tmp_path, capsys) -> None:
         assert set(policies) == expected
     out = capsys.readouterr().out
     assert "| small-multi-turn | 4 × 5,000 |" in out and "ours best hit ratio in" in out
+    table = [line for line in out.splitlines() if line.startswith("|")]
+    assert len({line.count("|") for line in table}) == 1  # every row has the header's columns
 
     again = _grid(
         tmp_path,
@@ -98,6 +104,7 @@ def test_grid_runs_every_cell_and_reuses_peer_results(tmp_path, capsys) -> None:
         (["--routing", "stickiness=-1"], "stickiness"),
         (["--workloads", "nope"], "unknown ['nope']"),
         (["--replicas", "four"], "--replicas"),
+        (["--json", "/nonexistent/dir/grid.json"], "no such directory"),
     ],
 )
 def test_grid_rejects_bad_arguments_by_name(flag: list[str], message: str) -> None:

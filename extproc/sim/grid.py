@@ -163,6 +163,8 @@ class Verdict:
     best_hit: tuple[str, float, float]  # peer, its hit ratio, its p99
     best_p99: tuple[str, float, float]  # peer, its p99, its hit ratio
     hit_k: dict[int, float]
+    # Peers at least as good on both and better on one (hit ratio, p99).
+    dominated_by: tuple[str, ...] = ()
 
     @property
     def wins_hit(self) -> bool:
@@ -193,14 +195,23 @@ def verdicts(results: dict[Cell, dict[str, dict[str, Any]]]) -> list[Verdict]:
             and (c.workload, c.replicas, c.capacity_tokens)
             == (cell.workload, cell.replicas, cell.capacity_tokens)
         }
+        hit, p99 = ours["hit_ratio"], ours["ttft_p99_ms"]
+        dominated_by = tuple(
+            p
+            for p, s in peers.items()
+            if s["hit_ratio"] >= hit
+            and s["ttft_p99_ms"] <= p99
+            and (s["hit_ratio"] > hit or s["ttft_p99_ms"] < p99)
+        )
         out.append(
             Verdict(
                 cell,
-                ours["hit_ratio"],
-                ours["ttft_p99_ms"],
+                hit,
+                p99,
                 (hit_peer, peers[hit_peer]["hit_ratio"], peers[hit_peer]["ttft_p99_ms"]),
                 (p99_peer, peers[p99_peer]["ttft_p99_ms"], peers[p99_peer]["hit_ratio"]),
                 hit_k,
+                dominated_by,
             )
         )
     return out
@@ -211,9 +222,10 @@ def markdown(rows: Sequence[Verdict]) -> str:
     ks = sorted({k for v in rows for k in v.hit_k if k != 1})
     head = (
         "| workload | replicas × KV tokens | ours hit | ours p99 ms | best peer hit (who, its p99)"
-        " | best peer p99 (who, its hit) |" + "".join(f" ours K={k} hit (vs K=1) |" for k in ks)
+        " | best peer p99 (who, its hit) | peers better on both |"
+        + "".join(f" ours K={k} hit (vs K=1) |" for k in ks)
     )
-    lines = [head, "|" + "---|" * (6 + len(ks))]
+    lines = [head, "|" + "---|" * (7 + len(ks))]
     for v in rows:
         hit = f"**{v.hit:.3f}**" if v.wins_hit else f"{v.hit:.3f}"
         p99 = f"**{v.p99:.0f}**" if v.wins_p99 else f"{v.p99:.0f}"
@@ -223,7 +235,8 @@ def markdown(rows: Sequence[Verdict]) -> str:
         lines.append(
             f"| {v.cell.workload} | {v.cell.replicas} × {v.cell.capacity_tokens:,} | {hit} | {p99} "
             f"| {v.best_hit[1]:.3f} ({v.best_hit[0]}, {v.best_hit[2]:.0f}) "
-            f"| {v.best_p99[1]:.0f} ({v.best_p99[0]}, {v.best_p99[2]:.3f}) |{by_k}"
+            f"| {v.best_p99[1]:.0f} ({v.best_p99[0]}, {v.best_p99[2]:.3f}) "
+            f"| {', '.join(v.dominated_by) or '—'} |{by_k}"
         )
     return "\n".join(lines)
 
@@ -232,7 +245,11 @@ def summary_line(rows: Sequence[Verdict]) -> str:
     hit = sum(v.wins_hit for v in rows)
     p99 = sum(v.wins_p99 for v in rows)
     both = sum(v.wins_hit and v.wins_p99 for v in rows)
-    text = f"ours best hit ratio in {hit}/{len(rows)} cells, best p99 in {p99}, both in {both}"
+    free = sum(not v.dominated_by for v in rows)
+    text = (
+        f"ours best hit ratio in {hit}/{len(rows)} cells, best p99 in {p99}, both in {both}; "
+        f"no peer better on both in {free}"
+    )
     for k in sorted({k for v in rows for k in v.hit_k if k != 1}):
         close = sum(1 for v in rows if k in v.hit_k and v.hit_k[k] >= v.hit - 0.02)
         text += f"; K={k} within 0.02 of K=1 in {close}"
