@@ -23,7 +23,15 @@ import pytest
 from extproc.stack import LOOPBACK, Stack
 
 from .integration.conftest import Response as Reply
-from .reliability.conftest import FAST, Rig, report, requests_by_outcome, start_rig, wait_until
+from .reliability.conftest import (
+    FAST,
+    Rig,
+    envoy_stats,
+    report,
+    requests_by_outcome,
+    start_rig,
+    wait_until,
+)
 
 pytestmark = [pytest.mark.envoy]
 CHAT = "/v1/chat/completions"
@@ -436,9 +444,21 @@ def rigs() -> Iterator[dict[str, Rig]]:
 FIGURES: list[dict] = []
 
 
-def _run_case(rig: Rig, case: Case) -> None:
+# Envoy's ext_proc counters that say the router never saw a request (transport trouble).
+BYPASSED = ("failure_mode_allowed", "streams_failed", "message_timeouts")
+
+
+def _bypassed(before: dict[str, int], after: dict[str, int]) -> dict[str, int]:
+    return {
+        name: after[name] - before.get(name, 0)
+        for name in after
+        if name.endswith(BYPASSED) and after[name] > before.get(name, 0)
+    }
+
+
+def _send_and_count(rig: Rig, case: Case) -> tuple[Reply, Counter, float, dict[str, int]]:
     admin = rig.router_admin
-    before = requests_by_outcome(admin)
+    before, stats_before = requests_by_outcome(admin), envoy_stats(rig.envoy_admin)
     started = time.monotonic()
     reply = case.send(rig.envoy_port)
     seconds = time.monotonic() - started
@@ -448,15 +468,28 @@ def _run_case(rig: Rig, case: Case) -> None:
     delta = requests_by_outcome(admin)
     delta.subtract(before)
     moved = Counter({k: v for k, v in delta.items() if v})
+    return reply, moved, seconds, _bypassed(stats_before, envoy_stats(rig.envoy_admin))
+
+
+def _run_case(rig: Rig, case: Case) -> None:
+    reply, moved, seconds, bypassed = _send_and_count(rig, case)
+    retried = False
+    if not moved and bypassed:
+        # Envoy failed open on its own (its gRPC stream to the router failed or timed out on
+        # a loaded machine: one CI run), so the router never saw this input; send it again.
+        # Failing open is the documented behaviour; the case is about the router's handling.
+        retried = True
+        reply, moved, seconds, bypassed = _send_and_count(rig, case)
     FIGURES.append(
         {"case": case.name, "body_mode": rig.body_mode, "status": reply.status,
-         "counted": [f"{o}/{r}" for (o, r) in moved], "seconds": round(seconds, 2)}
+         "counted": [f"{o}/{r}" for (o, r) in moved], "seconds": round(seconds, 2),
+         **({"retried_after_envoy_bypass": True} if retried else {})}
     )  # fmt: skip
     assert reply.status < 500, (case.name, reply.status, reply.body[:300])
     assert reply.status in case.statuses, (case.name, reply.status, reply.body[:300])
     if case.by_replica:
         assert reply.replica, (case.name, "not answered by a replica", reply.headers)
-    assert sum(moved.values()) == 1, (case.name, moved)
+    assert sum(moved.values()) == 1, (case.name, moved, "envoy ext_proc bypass:", bypassed)
     ((outcome, reason),) = moved
     assert outcome == case.counted[0], (case.name, moved)
     if case.counted[1] is not None:
