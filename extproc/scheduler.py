@@ -11,8 +11,8 @@ count cannot tell a 191k-token prompt from a 30-token one; the work can.
 The algorithm, top to bottom:
 1. Guard (counts, the secondary signal: it bounds concurrent sequences, which queued prefill
    work does not show): an endpoint may take this request only if its in-flight count stays under
-   max((1+eps) x its weighted share of (total count + 1), share + slack), and its KV cache is
-   not reported saturated. The count is this router's in-flight requests, or the endpoint's
+   max((1+eps) x its weighted share of (total count + 1), share + slack). The count is this
+   router's in-flight requests, or the endpoint's
    own running + waiting when it reports more (other routers' traffic, server queues). If no
    endpoint is under the guard, the guard is lifted (it can only spread load, never refuse it).
 2. Affinity: if an eligible endpoint holds the request's session prefix (the blocks up to the
@@ -28,6 +28,8 @@ The algorithm, top to bottom:
    prefill of the cheapest, as a cold start would: another router replica that sees only
    its later turns cold-starts them by that same order (rule 3).
    Rule 'prefix_affinity', or 'load_guard' when a better-matching endpoint was passed over.
+   New sessions (here and in rule 3) also skip endpoints that report their KV cache full,
+   while another eligible endpoint has room; a request whose own prefix is held does not.
 3. Cold start: nobody eligible holds the session → rendezvous-hash the placement key over
    the eligible endpoints (highest hash wins), skipping an endpoint whose queued work
    exceeds the least-loaded one's by more than cold_margin x the request's own cold
@@ -214,6 +216,16 @@ class Decision:
         }
 
 
+def _with_room(eligible: np.ndarray, saturated: np.ndarray | None) -> np.ndarray:
+    """A new session avoids KV caches reported full while another eligible one has room. A
+    request whose own prefix is held is not moved for it: in the simulator's overloaded
+    cells that cost up to 0.22 of hit ratio and doubled the tail (docs/benchmarks.md)."""
+    if saturated is None:
+        return eligible
+    roomy = eligible & ~saturated
+    return roomy if roomy.any() else eligible
+
+
 class Scheduler:
     def __init__(self, config: RoutingConfig, cost: CostModel | None = None) -> None:
         self.config = config
@@ -248,8 +260,6 @@ class Scheduler:
         share = (float(load.sum()) + 1) / float(weight.sum()) * weight
         cap = np.maximum((1 + cfg.load_epsilon) * share, share + cfg.load_slack)
         eligible = load + 1 <= cap
-        if table.saturated is not None:
-            eligible &= ~table.saturated
         if not eligible.any():
             eligible = np.ones(count, dtype=bool)
         cached = np.minimum(n, matched * block_tokens)
@@ -265,6 +275,8 @@ class Scheduler:
             min(session_blocks, math.ceil(cfg.shared_prefix_fraction * total_blocks)),
         )
         if best_eligible_match >= needed and total_blocks:
+            if best_eligible_match < session_blocks:  # a new session (see below)
+                eligible = _with_room(eligible, table.saturated)
             best_tokens = min(n, best_eligible_match * block_tokens)
             score = -(cost + model.stickiness * np.maximum(0.0, best_tokens - cached))
             if best_eligible_match < session_blocks:
@@ -283,6 +295,7 @@ class Scheduler:
             # margin of the cheapest, so replicas agree unless the top one is overloaded.
             # Queued work only: a cheaper prefill where a shared preamble is held must not
             # pull new sessions onto the holders (the herding described above).
+            eligible = _with_room(eligible, table.saturated)
             limit = float(work[eligible].min()) + model.cold_margin * model.prefill(n, 0)
             score = (work <= limit).astype(np.float64)
             order = np.lexsort((~rendezvous, -score, ~eligible))

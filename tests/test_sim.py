@@ -176,3 +176,30 @@ def test_ours_runs_on_simulated_time() -> None:
     assert router.queued_work()[address] == 0 and router.in_flight()[address] == 1
     group.finish(handle)
     assert router.in_flight()[address] == 0
+
+
+def test_ours_reads_the_replicas_metrics_like_the_server_does(small_chat: Workload) -> None:
+    """The server scrapes every model server's /metrics (signals.py, on by default); in the
+    simulator ours gets the replicas' running, waiting and KV usage at the same interval."""
+    from extproc.config import SignalsConfig
+    from extproc.sim import policies
+
+    seen: list[tuple[str, float | None]] = []
+    original = policies.Router.observe_signals
+
+    def spy(self, address, up, running=None, waiting=None, kv_usage=None, **kw):
+        seen.append((address, kv_usage))
+        return original(self, address, up, running, waiting, kv_usage, **kw)
+
+    policies.Router.observe_signals = spy  # type: ignore[method-assign]
+    try:
+        params = SimParams(replicas=3, capacity_tokens=20_000)
+        result = simulate(small_chat, "ours", params, progress=None)
+    finally:
+        policies.Router.observe_signals = original  # type: ignore[method-assign]
+    assert {address for address, _ in seen} == {f"10.0.0.{r + 1}:8000" for r in range(3)}
+    scrapes = len(seen) // 3
+    interval = SignalsConfig().interval_seconds
+    # One scrape per interval of simulated time in which a request arrived, at most.
+    assert 1 < scrapes <= result.sim_seconds / interval + 1
+    assert all(kv is not None and 0.0 <= kv <= 1.0 for _, kv in seen)

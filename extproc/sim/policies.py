@@ -22,7 +22,7 @@ from typing import Any, Protocol
 
 from xxhash import xxh3_64_intdigest
 
-from ..config import EndpointConfig, RoutingConfig
+from ..config import EndpointConfig, RoutingConfig, SignalsConfig
 from ..prompt import LLMRequest
 from ..router import Router
 from ..scheduler import CostModel as RouterCostModel
@@ -364,8 +364,28 @@ class OursPolicy:
             clock=lambda: ctx.now,
         )
         self.rules: dict[str, int] = {}
+        self.addresses = addresses
+        # The server scrapes each model server's /metrics (signals.py); so does the simulator,
+        # at the same default interval, with the replicas' exact figures at that moment.
+        self.signals_every = SignalsConfig().interval_seconds
+        self.next_scrape = 0.0
+
+    def _scrape(self, now: float) -> None:
+        """What signals.py reads from each model server's /metrics: running and waiting
+        requests and KV-cache usage."""
+        for address, replica in zip(self.addresses, self.ctx.replicas, strict=True):
+            self.router.observe_signals(
+                address,
+                True,
+                running=replica.running,
+                waiting=len(replica.waiting),
+                kv_usage=replica.kv_usage(),
+            )
+        self.next_scrape = now + self.signals_every
 
     def route(self, request: SimRequest, now: float) -> tuple[int, Any]:
+        if now >= self.next_scrape:
+            self._scrape(now)
         decision = self.router.route(self.prompts.request(request))
         self.rules[decision.rule] = self.rules.get(decision.rule, 0) + 1
         assert decision.endpoint is not None
