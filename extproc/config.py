@@ -192,7 +192,7 @@ class RoutingConfig(_Strict):
         default=0.98,
         gt=0,
         le=1,
-        description="reported KV usage at which an endpoint takes no new requests while others can",
+        description="reported KV usage at which an endpoint takes no new sessions while others can",
     )
 
 
