@@ -114,8 +114,9 @@ class Router:
         """What the endpoint itself reports. Its running + waiting requests count as its load
         when they exceed this router's own in-flight count (other routers' traffic, or
         requests queued in the server); a KV cache nearly full of running requests takes no
-        new sessions while another endpoint can (requests whose prefix it holds still go); the KV size sizes the index when the config did
-        not. ``up=False`` (scrape failed) falls back to in-flight counts only."""
+        new sessions while another endpoint can (requests whose prefix it holds still go
+        there); the KV size sizes the index when the config did not. ``up=False`` (scrape
+        failed) falls back to in-flight counts only."""
         i = self._position.get(address)
         if i is None:
             return

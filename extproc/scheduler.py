@@ -12,9 +12,9 @@ The algorithm, top to bottom:
 1. Guard (counts, the secondary signal: it bounds concurrent sequences, which queued prefill
    work does not show): an endpoint may take this request only if its in-flight count stays under
    max((1+eps) x its weighted share of (total count + 1), share + slack). The count is this
-   router's in-flight requests, or the endpoint's
-   own running + waiting when it reports more (other routers' traffic, server queues). If no
-   endpoint is under the guard, the guard is lifted (it can only spread load, never refuse it).
+   router's in-flight requests, or the endpoint's own running + waiting when it reports more
+   (other routers' traffic, server queues). If no endpoint is under the guard, the guard is
+   lifted (it can only spread load, never refuse it).
 2. Affinity: if an eligible endpoint holds the request's session prefix (the blocks up to the
    end of the first user turn, or the first cold_start_blocks; at least min_match_blocks) —
    or a shared prefix covering at least shared_prefix_fraction of the prompt —
@@ -219,7 +219,8 @@ class Decision:
 def _with_room(eligible: np.ndarray, saturated: np.ndarray | None) -> np.ndarray:
     """A new session avoids KV caches reported full while another eligible one has room. A
     request whose own prefix is held is not moved for it: in the simulator's overloaded
-    cells that cost up to 0.22 of hit ratio and doubled the tail (docs/benchmarks.md)."""
+    cells that cost up to 0.22 of hit ratio and lengthened the tail by up to 60%
+    (docs/benchmarks.md)."""
     if saturated is None:
         return eligible
     roomy = eligible & ~saturated
@@ -275,15 +276,16 @@ class Scheduler:
             min(session_blocks, math.ceil(cfg.shared_prefix_fraction * total_blocks)),
         )
         if best_eligible_match >= needed and total_blocks:
-            if best_eligible_match < session_blocks:  # a new session (see below)
+            # Only a shared prefix is held, not the session's own: a new session.
+            new_session = best_eligible_match < session_blocks
+            if new_session:
                 eligible = _with_room(eligible, table.saturated)
             best_tokens = min(n, best_eligible_match * block_tokens)
             score = -(cost + model.stickiness * np.maximum(0.0, best_tokens - cached))
-            if best_eligible_match < session_blocks:
-                # Only a shared prefix is held, not the session's own: a new session. The
-                # rendezvous order among the endpoints within the cold-start margin of the
-                # best, not simply the best: another router replica that sees a later turn
-                # (and not this one) cold-starts it by the same rendezvous order.
+            if new_session:
+                # The rendezvous order among the endpoints within the cold-start margin of
+                # the best, not simply the best: another router replica that sees a later
+                # turn (and not this one) cold-starts it by the same rendezvous order.
                 top = float(score[eligible].max())
                 score = (score >= top - model.cold_margin * model.prefill(n, 0)).astype(float)
             # Eligible first, then the highest score, then the rendezvous order.
