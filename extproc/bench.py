@@ -18,11 +18,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .config import RoutingConfig
+from .config import ConfigError, load_config, parse_assignments
 from .sim import grid as sim_grid
 from .sim.engine import SimParams, simulate
 from .sim.grid import CAPACITIES
-from .sim.policies import ALL_POLICIES, BOUNDS, ideal_hit_tokens
+from .sim.policies import ALL_POLICIES, BOUNDS, ideal_hit_ratio
 from .sim.replica import CostModel
 from .sim.report import plot, summarize, table
 from .sim.workloads import PRESETS, Workload, load_mooncake
@@ -167,19 +167,13 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _routing_overrides(pairs: list[str]) -> dict[str, Any]:
-    overrides: dict[str, Any] = {}
-    for pair in pairs:
-        key, sep, value = pair.partition("=")
-        if not sep or key not in RoutingConfig.model_fields:
-            raise SystemExit(
-                f"--routing {pair!r}: expected KEY=VALUE with KEY a routing setting "
-                f"({', '.join(sorted(RoutingConfig.model_fields))})"
-            )
-        overrides[key] = value
+    """--routing KEY=VALUE, checked as ``--set routing.KEY=VALUE`` is by the server."""
     try:
-        return RoutingConfig(**overrides).model_dump(include=set(overrides))
-    except ValueError as error:
-        raise SystemExit(f"--routing: {error}") from None
+        overrides = parse_assignments(pairs, "--routing", prefix="routing.")
+        routing = load_config(None, overrides, environ={}).routing
+    except ConfigError as error:
+        raise SystemExit(f"--routing {' '.join(pairs)}: {error}") from None
+    return routing.model_dump(include={key.removeprefix("routing.") for key in overrides})
 
 
 def _int_list(flag: str, text: str) -> list[int]:
@@ -254,7 +248,7 @@ def simulate_command(args: argparse.Namespace) -> int:
     extra_runs = [(n, k) for k in ks if k != args.router_replicas for n in swept]
     requests = workload.requests
     prompt_tokens = sum(r.input_tokens for r in requests)
-    ideal = ideal_hit_tokens(requests, cost.kv_block_tokens) / max(1, prompt_tokens)
+    ideal = ideal_hit_ratio(requests, cost.kv_block_tokens)
 
     bar = tqdm(
         total=len(requests) * (len(names) + len(extra_runs)),

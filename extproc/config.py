@@ -9,7 +9,7 @@ from __future__ import annotations
 import ipaddress
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any, Literal
 
@@ -412,6 +412,18 @@ def _format_error(error: ValidationError) -> str:
         where = ".".join(str(part) for part in item["loc"]) or "(top level)"
         lines.append(f"config field {where}: {item['msg']}")
     return "\n".join(lines)
+
+
+def parse_assignments(items: Iterable[str], flag: str, prefix: str = "") -> dict[str, Any]:
+    """``KEY=VALUE`` strings from a command line (``flag``) as load_config overrides, the
+    values parsed as YAML like the environment's; ``prefix`` is prepended to each key."""
+    overrides: dict[str, Any] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise ConfigError(f"{flag} {item!r}: expected KEY=VALUE")
+        overrides[prefix + key.strip()] = yaml.safe_load(value)
+    return overrides
 
 
 def load_config(

@@ -31,7 +31,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from prometheus_client.multiprocess import mark_process_dead
 
 from .admin import DecisionLog, build_admin_app, decision_record, start_admin
-from .config import Config, ConfigError, EndpointConfig, load_config
+from .config import Config, ConfigError, EndpointConfig, load_config, parse_assignments
 from .discovery import source_from_config
 from .endpoints import HealthChecker
 from .metrics import MULTIPROC_ENV, RouterMetrics
@@ -390,8 +390,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def config_from_args(args: argparse.Namespace) -> Config:
-    import yaml
-
     overrides: dict[str, Any] = {
         "server.listen": args.listen,
         "server.workers": args.workers,
@@ -399,11 +397,7 @@ def config_from_args(args: argparse.Namespace) -> Config:
         "server.body_mode": args.body_mode,
         "server.header_name": args.header_name,
     }
-    for item in args.set:
-        key, sep, value = item.partition("=")
-        if not sep:
-            raise ConfigError(f"--set {item!r}: expected KEY=VALUE")
-        overrides[key.strip()] = yaml.safe_load(value)
+    overrides.update(parse_assignments(args.set, "--set"))
     return load_config(args.config, overrides)
 
 

@@ -21,7 +21,7 @@ from typing import Any
 
 from ..config import RoutingConfig
 from .engine import SimParams, simulate
-from .policies import ALL_POLICIES, BOUNDS, ideal_hit_tokens
+from .policies import ALL_POLICIES, BOUNDS, ideal_hit_ratio
 from .replica import CostModel
 from .report import summarize
 from .workloads import PRESETS, Workload, load_mooncake
@@ -69,9 +69,7 @@ def _workload(name: str, trace: str | None) -> Workload:
 
 @functools.cache
 def _ideal(name: str, trace: str | None, block_tokens: int) -> float:
-    requests = _workload(name, trace).requests
-    prompt = sum(r.input_tokens for r in requests)
-    return ideal_hit_tokens(requests, block_tokens) / max(1, prompt)
+    return ideal_hit_ratio(_workload(name, trace).requests, block_tokens)
 
 
 def run_one(

@@ -473,3 +473,9 @@ def ideal_hit_tokens(requests: Sequence[SimRequest], block_tokens: int) -> int:
         hits += cache.match(request.ids, full, last)
         cache.touch(request.ids, full, last)
     return hits
+
+
+def ideal_hit_ratio(requests: Sequence[SimRequest], block_tokens: int) -> float:
+    """``ideal_hit_tokens`` over all prompt tokens: the hit-ratio bound every run reports."""
+    prompt = sum(r.input_tokens for r in requests)
+    return ideal_hit_tokens(requests, block_tokens) / max(1, prompt)
