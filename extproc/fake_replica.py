@@ -327,16 +327,18 @@ class Replica:
         private = math.ceil(job.prompt_tokens / s.block_tokens) - len(job.hashes)
         st.private_blocks += private  # the partial last block, then each output block
         try:
-            await self._prefill(job)
             if job.stream:
+                # Headers first, as vLLM does (its StreamingResponse sends them before the
+                # engine starts the request): a stream's headers say nothing of its prefill.
                 response = web.StreamResponse(
                     headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
                 )
                 await response.prepare(request)
-                if job.chat:
-                    role = {"role": "assistant", "content": ""}
-                    first = {"index": 0, "delta": role, "logprobs": None, "finish_reason": None}
-                    await _sse(response, {**base, "choices": [first]})
+            await self._prefill(job)
+            if response is not None and job.chat:
+                role = {"role": "assistant", "content": ""}
+                first = {"index": 0, "delta": role, "logprobs": None, "finish_reason": None}
+                await _sse(response, {**base, "choices": [first]})
             st.observe_ttft(time.perf_counter() - job.arrived)
             loop = asyncio.get_running_loop()
             decode_start = loop.time()

@@ -82,6 +82,12 @@ class RouterMetrics:
             ("endpoint",),
             "livesum",
         )
+        self.queued_work = gauge(
+            "prefix_router_endpoint_queued_work",
+            "Estimated prefill work queued per endpoint by this router, in token-equivalents",
+            ("endpoint",),
+            "livesum",
+        )
         self.healthy = gauge(
             "prefix_router_endpoint_healthy",
             "1 if the endpoint passes the router's health probes",
@@ -141,6 +147,8 @@ class RouterMetrics:
         """Copy the router's state into gauges (called on a timer, not per request)."""
         for address, count in router.in_flight().items():
             self.in_flight.labels(address).set(count)
+        for address, work in router.queued_work().items():
+            self.queued_work.labels(address).set(work)
         healthy = set(router.healthy_endpoints())
         for address in router.endpoints:
             self.healthy.labels(address).set(1 if address in healthy else 0)

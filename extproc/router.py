@@ -263,11 +263,13 @@ class Router:
             self._uncharge(i, decision, self.clock())
 
     def prefill_done(self, decision: Decision) -> None:
-        """The endpoint has answered (its first byte reached Envoy): the request's prefill is
-        over, so what is left of its work charge is taken back now. It stays in flight, as a
-        decoding sequence, until ``finish``. Envoy waits for the router's answer to the
-        response headers before the client sees them, so a client that sends its next turn
-        after this answer always finds the charge released."""
+        """The endpoint's prefill for this request is certainly over: its response headers
+        came and the response is not a stream (they come after the whole generation), or
+        is an error. What is left of the work charge is taken back now; the request stays
+        in flight until ``finish``. A stream's headers come before its prefill (the server
+        does not call this for them), so its charge drains on the router's clock; a
+        release there made every streamed request look like no queued work at all, which
+        in the simulator lengthened the p99 by 1.5-7x (docs/benchmarks.md)."""
         if decision.rule == RULE_NO_ENDPOINT or decision.endpoint is None:
             return
         i = self._position.get(decision.served or decision.endpoint)

@@ -96,6 +96,16 @@ def _header_map(headers: ext_pb.HttpHeaders) -> dict[str, str]:
     return result
 
 
+def _is_event_stream(status: str, headers: dict[str, str]) -> bool:
+    """A successful server-sent-events response. vLLM and SGLang (FastAPI's
+    StreamingResponse) send its headers when they accept the request, before its prefill
+    starts, so they say nothing about the prefill: its charge keeps draining on the
+    router's clock. Any other response's headers come after the whole generation, or are
+    an error's (no prefill to wait for)."""
+    content_type = headers.get("content-type", "").lower()
+    return status.startswith("2") and content_type.startswith("text/event-stream")
+
+
 def _content_length(headers: dict[str, str]) -> int:
     """Declared body size; 0 when absent or malformed (Envoy rejects those itself)."""
     value = headers.get("content-length", "").strip()
@@ -364,7 +374,8 @@ class ExternalProcessorService(ext_grpc.ExternalProcessorServicer):
         if decision is not None:
             if served:
                 self.router.served(decision, served)
-            self.router.prefill_done(decision)
+            if not _is_event_stream(ex.outcome.status, headers):
+                self.router.prefill_done(decision)
         if served and headers.get(UPSTREAM_FAILURE_HEADER):
             # Envoy could not reach the endpoint (its local reply carries the response flags):
             # stop picking it now rather than at the next failed probe; a passing probe

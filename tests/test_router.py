@@ -359,7 +359,7 @@ def test_kv_capacity_learned_from_the_endpoint_sizes_the_index_unless_configured
     assert router.index.capacity(learned) == 200
 
 
-def test_first_byte_releases_the_prefill_charge_but_not_the_in_flight_count():
+def test_prefill_done_releases_the_charge_but_not_the_in_flight_count():
     clock = Clock()
     router = Router(RoutingConfig(), ENDPOINTS, clock=clock)
     decision = router.route(chat("a long prompt " * 400))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 
 import grpc
 import orjson
@@ -44,14 +45,14 @@ def body_msg(data: bytes, eos=True):
     return ep.ProcessingRequest(request_body=ep.HttpBody(body=data, end_of_stream=eos))
 
 
-def response_headers_msg(served: str):
+def response_headers_msg(served: str, status: str = "200", content_type: str | None = None):
+    pairs = [(":status", status), (HEADER + "-served", served)]
+    if content_type is not None:
+        pairs.append(("content-type", content_type))
     return ep.ProcessingRequest(
         response_headers=ep.HttpHeaders(
             headers=base_pb2.HeaderMap(
-                headers=[
-                    base_pb2.HeaderValue(key=":status", raw_value=b"200"),
-                    base_pb2.HeaderValue(key=HEADER + "-served", raw_value=served.encode()),
-                ]
+                headers=[base_pb2.HeaderValue(key=k, raw_value=v.encode()) for k, v in pairs]
             )
         )
     )
@@ -229,6 +230,35 @@ async def test_served_report_corrects_the_index(service):
     assert primary in {chosen_first, "127.0.0.1:8002"}
     hashes = block_hashes(parse_request("chat", CHAT).prompt, root_hash("m"), 64, 1024)
     assert service.router.index.match(hashes, ["127.0.0.1:8002"]) == {"127.0.0.1:8002": len(hashes)}
+
+
+@pytest.mark.parametrize(
+    ("status", "content_type", "released"),
+    [
+        ("200", "text/event-stream", False),  # headers at admission: the prefill is ahead
+        ("200", "Text/Event-Stream; charset=utf-8", False),
+        ("200", "application/json", True),  # headers after the whole generation
+        ("500", "text/event-stream", True),  # an error: no prefill to wait for
+        ("400", "application/json", True),
+    ],
+)
+async def test_only_a_non_stream_response_releases_the_prefill_charge(
+    service, status, content_type, released
+):
+    service.router.cost = dataclasses.replace(service.router.cost, drain_per_second=0.0)
+    call = service.stub.Process()
+    await call.write(headers_msg())
+    await call.read()
+    await call.write(body_msg(CHAT))
+    primary = destination(await call.read())[0].split(",")[0]
+    charged = service.router.queued_work()[primary]
+    assert charged > 0
+    await call.write(response_headers_msg(primary, status, content_type))
+    await call.read()
+    assert service.router.queued_work()[primary] == (0 if released else charged)
+    assert service.router.in_flight()[primary] == 1
+    await call.done_writing()
+    assert await call.read() == grpc.aio.EOF
 
 
 async def test_health_service_reports_serving(service):

@@ -106,10 +106,9 @@ def simulate(
                 progress(256)
         elif kind == PREFILL_DONE:
             replica = replicas[records[request.rid].replica]
+            # No signal to the router: a streamed response's headers came at admission and
+            # a non-streamed one's come at the end (server.py, Router.prefill_done).
             records[request.rid].ttft_ms = now - request.arrival_s * 1000.0
-            first_token = getattr(router, "first_token", None)
-            if first_token is not None:  # the server does this at the response headers
-                first_token(handles[request.rid])
             decode = replica.end_prefill(request)
             heapq.heappush(heap, (now + decode, seq, FINISH, request))
             seq += 1

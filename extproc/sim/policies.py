@@ -391,9 +391,6 @@ class OursPolicy:
         assert decision.endpoint is not None
         return self.replica_of[decision.endpoint], decision
 
-    def first_token(self, handle: Any) -> None:
-        self.router.prefill_done(handle)
-
     def finish(self, handle: Any) -> None:
         self.router.finish(handle)
 
@@ -409,12 +406,6 @@ class RouterGroup:
         k = self.rng.randrange(len(self.instances)) if len(self.instances) > 1 else 0
         replica, handle = self.instances[k].route(request, now)
         return replica, (k, handle)
-
-    def first_token(self, handle: Any) -> None:
-        k, inner = handle
-        hook = getattr(self.instances[k], "first_token", None)
-        if hook is not None:
-            hook(inner)
 
     def finish(self, handle: Any) -> None:
         k, inner = handle

@@ -11,6 +11,7 @@ consumed them.
 
 from __future__ import annotations
 
+import http.client
 import time
 import urllib.request
 
@@ -135,3 +136,47 @@ def test_prefix_routing_beats_round_robin_on_vllm(vllm_endpoints: list[str]) -> 
     for address in vllm_endpoints:
         assert samples.get(("prefix_router_endpoint_metrics_up", address)) == 1.0, router_metrics
         assert ("prefix_router_endpoint_kv_usage", address) in samples, router_metrics
+
+
+def test_a_streamed_vllm_request_stays_charged_past_its_headers(
+    vllm_endpoints: list[str],
+) -> None:
+    """vLLM sends a stream's headers when it accepts the request (FastAPI StreamingResponse),
+    before the prefill: the router must recognise vLLM's event stream and keep its charge."""
+    with Stack() as stack:
+        router_address, router = stack.start_router(
+            vllm_endpoints[:1],
+            extra_args=["--set", "routing.prefill_tokens_per_second=50"],
+        )
+        port, _ = stack.start_proxy("override-host", vllm_endpoints[:1], router_address)
+        admin = stack.router_admin_ports["router"]
+        conn = http.client.HTTPConnection(LOOPBACK, port, timeout=120)
+        try:
+            body = orjson.dumps(
+                {
+                    "model": lab.SERVED_MODEL_NAME,
+                    "messages": [{"role": "user", "content": "tell me a story " * 100}],
+                    "max_tokens": 8,
+                    "stream": True,
+                }
+            )
+            conn.request("POST", "/v1/chat/completions", body, {"content-type": "application/json"})
+            stream = conn.getresponse()
+            assert stream.status == 200
+            assert stream.getheader("content-type", "").startswith("text/event-stream")
+            second = _chat(f"{LOOPBACK}:{port}", "a different question " * 20)
+            assert second["choices"], second
+            assert b"data: [DONE]" in stream.read()
+            # Logged when each request ends; told apart by size (the stream's prompt is longer).
+            url = f"http://{LOOPBACK}:{admin}/debug/decisions?limit=2&outcome=routed"
+            deadline = time.monotonic() + 10  # the router hears of the end a moment later
+            while len(entries := orjson.loads(raw := _get(url))["decisions"]) < 2:
+                assert time.monotonic() < deadline, raw
+                time.sleep(0.05)
+            entries = [d["decision"] for d in entries]
+            later, streamed = sorted(entries, key=lambda d: d["prompt_tokens"])
+            (candidate,) = later["candidates"]
+            assert candidate["queued_work"] > 0.5 * streamed["work"] > 0, raw
+        finally:
+            conn.close()
+        assert router.alive(), router.log_tail()

@@ -144,6 +144,7 @@ def test_metrics_and_decisions_after_traffic_through_envoy(tmp_path, workers):
         matched = total(metrics, "prefix_router_matched_blocks_total")
         assert 0 < matched < prompt  # 5 conversations seen 4 times each: 3/4 predicted hits
         assert total(metrics, "prefix_router_endpoint_in_flight") == 0
+        assert total(metrics, "prefix_router_endpoint_queued_work") == 0
         assert total(metrics, "prefix_router_index_entries") > 0
         assert total(metrics, "prefix_router_endpoint_metrics_up") == len(members)
         realised = [
