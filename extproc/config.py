@@ -188,6 +188,11 @@ class RoutingConfig(_Strict):
         default=4, ge=1, description="blocks in the session key without turns (completions)"
     )
     fallbacks: int = Field(default=2, ge=0, le=16, description="extra endpoints in the header")
+    count_unseen_waiting: bool = Field(
+        default=True,
+        description="count requests an endpoint reports waiting beyond this router's own "
+        "as queued work (several router replicas)",
+    )
     kv_saturated_fraction: float = Field(
         default=0.98,
         gt=0,

@@ -30,6 +30,10 @@ from .scheduler import (
 
 log = logging.getLogger(__name__)
 
+# The mean of this router's last this-many prefill charges (a plain mean until then):
+# Router._unseen prices another router's waiting request at it.
+TYPICAL_WORK_REQUESTS = 50
+
 
 class Router:
     """Endpoint state lives in arrays (one entry per endpoint, in ``endpoints`` order, the
@@ -62,6 +66,12 @@ class Router:
         # From the endpoint's own /metrics (signals.py); NaN/False when unknown or unreachable.
         self._reported_load = np.zeros(0)
         self._saturated = np.zeros(0, dtype=bool)
+        # Other routers' queued work as of the last scrape (``_unseen_work``), and a typical
+        # prefill charge of this router's to price it with.
+        self._unseen_work = np.zeros(0)
+        self._unseen_at = np.zeros(0)
+        self._typical_work = 0.0
+        self._charges = 0
         self.set_endpoints(endpoints)
 
     # -- endpoint set -------------------------------------------------------------------
@@ -94,6 +104,8 @@ class Router:
         self._work_at = carried(self._work_at, 0.0, np.float64)
         self._reported_load = carried(self._reported_load, np.nan, np.float64)
         self._saturated = carried(self._saturated, False, bool)
+        self._unseen_work = carried(self._unseen_work, 0.0, np.float64)
+        self._unseen_at = carried(self._unseen_at, 0.0, np.float64)
         self._weight = np.array([float(e.weight) for e in endpoints], dtype=np.float64)
         self._address_hash = np.array([address_hash(a) for a in addresses], dtype=np.uint64)
         self._addresses = addresses
@@ -120,11 +132,16 @@ class Router:
         i = self._position.get(address)
         if i is None:
             return
+        self._unseen_work[i] = 0.0
         if not up:
             self._reported_load[i], self._saturated[i] = np.nan, False
             return
         known = [v for v in (running, waiting) if v is not None]
         self._reported_load[i] = sum(known) if known else np.nan
+        if waiting is not None and self.config.count_unseen_waiting:
+            unseen = max(0.0, waiting - float(self._in_flight[i]))
+            self._unseen_work[i] = unseen * self._typical_work
+            self._unseen_at[i] = self.clock()
         self._saturated[i] = kv_usage is not None and kv_usage >= self.config.kv_saturated_fraction
         if kv_capacity_tokens and not self._capacity_configured[i]:
             blocks = self.capacity_blocks(kv_capacity_tokens)
@@ -166,6 +183,18 @@ class Router:
         return self.index.stats()
 
     # -- queued work ----------------------------------------------------------------------
+    def _unseen(self, positions: np.ndarray, now: float) -> np.ndarray:
+        """Queued work other routers sent, as of now. An endpoint that reports more requests
+        waiting than this router has in flight there holds at least that many from someone
+        else: each is priced as this router's typical prefill, and the sum drains at the
+        prefill throughput from the scrape on. Several uncoordinated router replicas each
+        see only their own charges; without this, another router's 191k-token Mooncake
+        prompt held a simulated endpoint for 40 s while the others kept sending it
+        requests (K=4 p99 up to 8x K=1's, docs/benchmarks.md). With one router (and no
+        client bypassing it) nothing waits beyond its own in-flight requests: zero."""
+        elapsed = now - self._unseen_at[positions]
+        return np.maximum(0.0, self._unseen_work[positions] - self.cost.drain_per_second * elapsed)
+
     def _drain_all(self, now: float) -> None:
         rate = self.cost.drain_per_second
         if rate > 0:
@@ -190,6 +219,9 @@ class Router:
         decision.queued_before = self._drain(i, now)
         decision.charged_at = now
         self._work[i] += decision.work
+        self._charges += 1
+        step = 1.0 / min(self._charges, TYPICAL_WORK_REQUESTS)
+        self._typical_work += (decision.work - self._typical_work) * step
         self._in_flight[i] += 1
 
     def _release_work(self, i: int, decision: Decision, now: float) -> None:
@@ -231,7 +263,7 @@ class Router:
             addresses=self._addresses,
             rows=positions,
             load=np.fmax(self._in_flight[positions], self._reported_load[positions]),
-            work=self._work[positions],
+            work=self._work[positions] + self._unseen(positions, now),
             matched=self.index.match_positions(hashes, positions),
             weight=self._weight[positions],
             address_hash=self._address_hash[positions],

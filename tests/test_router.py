@@ -282,6 +282,55 @@ def test_long_shared_prefix_attracts_new_sessions_but_a_short_preamble_does_not(
     assert len(homes) == len(ENDPOINTS)
 
 
+def test_requests_waiting_beyond_this_routers_own_count_as_work_until_they_would_have_drained():
+    """Several router replicas: an endpoint that reports more requests waiting than this
+    router has in flight there holds another router's queue. It is priced at this router's
+    typical prefill and drains on the router's clock from the scrape on."""
+    clock = Clock()
+    config = RoutingConfig(load_slack=1000)  # no count guard: the queued work alone decides
+    router = Router(config, ENDPOINTS, clock=clock)
+    turn1 = chat("explain rendezvous hashing " * 600)  # ~4k tokens: a hit saves a lot
+    first = router.route(turn1)
+    router.finish(first)
+    home = first.endpoint
+    turn2 = chat("explain rendezvous hashing " * 600, "sure: ...", "and with weights?")
+    router.observe_signals(home, up=True, running=1, waiting=0)  # nothing unseen
+    stay = router.route(turn2)
+    assert stay.endpoint == home and stay.rule == RULE_AFFINITY
+    router.finish(stay)
+    typical = (first.work + stay.work) / 2
+    # Twenty requests wait there that this router never sent.
+    router.observe_signals(home, up=True, running=4, waiting=20)
+    moved = router.route(turn2)
+    assert moved.endpoint != home and moved.rule == RULE_LOAD_GUARD
+    candidates = {c["endpoint"]: c for c in moved.explain()["candidates"]}
+    assert candidates[home]["queued_work"] == round(20 * typical)
+    router.finish(moved)
+
+    def queued_at_home() -> int:
+        decision = router.route(completion("an unrelated question"))
+        router.finish(decision)
+        return {c["endpoint"]: c for c in decision.explain()["candidates"]}[home]["queued_work"]
+
+    # It drains at the prefill throughput: half of it is left half-way, none at the end.
+    drain_seconds = 20 * typical / router.cost.drain_per_second
+    clock.now += drain_seconds / 2
+    assert queued_at_home() == round(10 * typical)
+    clock.now += drain_seconds / 2
+    assert queued_at_home() == 0
+    # What this router has in flight there is its own, not another router's.
+    mine = [router.route(completion(f"own request {i}"), allowed={home}) for i in range(20)]
+    router.observe_signals(home, up=True, running=4, waiting=20)
+    assert queued_at_home() == round(sum(d.work for d in mine))
+    # Switched off, or the endpoint's metrics gone: only this router's own queue counts.
+    switched_off = config.model_copy(update={"count_unseen_waiting": False})
+    for other_config, up in ((switched_off, True), (config, False)):
+        other = Router(other_config, ENDPOINTS, clock=clock)
+        other.finish(other.route(turn1))
+        other.observe_signals(home, up=up, running=4, waiting=20)
+        assert other.route(turn2).endpoint == home
+
+
 def test_reported_load_from_other_routers_counts_in_the_guard():
     config = RoutingConfig(load_epsilon=0.0, load_slack=1)
     router = Router(config, ENDPOINTS)
