@@ -84,7 +84,8 @@ class RouterMetrics:
         )
         self.queued_work = gauge(
             "prefix_router_endpoint_queued_work",
-            "Estimated prefill work queued per endpoint by this router, in token-equivalents",
+            "Prefill work the router estimates queued per endpoint (its own requests and "
+            "other routers' reported waiting ones), in token-equivalents",
             ("endpoint",),
             "livesum",
         )
