@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .config import ConfigError, load_config, parse_assignments
+from .config import ConfigError, RoutingConfig, load_config, parse_assignments
 from .sim import grid as sim_grid
 from .sim.engine import SimParams, simulate
 from .sim.grid import CAPACITIES
@@ -87,6 +87,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="override a cost-model constant (repeatable): "
         + ", ".join(f.name for f in dataclasses.fields(CostModel)),
     )
+    _add_routing_argument(sim)
     sim.add_argument("--json", dest="json_out", help="write results as JSON here")
     sim.add_argument("--plot", help="write a PNG here (matplotlib)")
     sim.add_argument(
@@ -106,18 +107,22 @@ def add_grid_arguments(grid: argparse.ArgumentParser) -> None:
     grid.add_argument("--replicas", default="4,8,16", help="comma list of replica counts")
     grid.add_argument("--router-replicas", default="1,4", help="comma list of K for ours")
     grid.add_argument("--policies", default="all", help="comma list or 'all'")
+    _add_routing_argument(grid)
     grid.add_argument(
+        "--peers-from", help="reuse the peers' results from this grid JSON (simulate ours only)"
+    )
+    grid.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="worker processes")
+    grid.add_argument("--json", dest="json_out", help="write results as JSON here")
+
+
+def _add_routing_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
         "--routing",
         action="append",
         default=[],
         metavar="KEY=VALUE",
         help="override a routing setting for ours (repeatable), e.g. stickiness=2",
     )
-    grid.add_argument(
-        "--peers-from", help="reuse the peers' results from this grid JSON (simulate ours only)"
-    )
-    grid.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="worker processes")
-    grid.add_argument("--json", dest="json_out", help="write results as JSON here")
 
 
 def _cost_model(pairs: list[str]) -> CostModel:
@@ -236,12 +241,14 @@ def simulate_command(args: argparse.Namespace) -> int:
     workload = _workload(args)
     names = _policy_names(args.policies)
     cost = _cost_model(args.cost)
+    routing = _routing_overrides(args.routing)
     params = SimParams(
         replicas=args.replicas,
         capacity_tokens=args.capacity_tokens,
         router_replicas=args.router_replicas,
         seed=args.seed,
         cost=cost,
+        routing=RoutingConfig(**routing),
     )
     ks = sorted({int(k) for k in args.sweep_k.split(",")}) if args.sweep_k else []
     swept = [n for n in names if n not in BOUNDS]
@@ -284,6 +291,7 @@ def simulate_command(args: argparse.Namespace) -> int:
             "router_replicas": args.router_replicas,
             "seed": args.seed,
             "cost_model": cost.as_dict(),
+            "routing_overrides": routing,
         },
         "wall_seconds": round(time.perf_counter() - started, 2),
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
@@ -299,6 +307,8 @@ def simulate_command(args: argparse.Namespace) -> int:
         f"router replicas K={args.router_replicas}; seed {args.seed}"
     )
     print("cost model: " + ", ".join(f"{k}={v}" for k, v in cost.as_dict().items()))
+    if routing:
+        print("routing overrides for ours: " + ", ".join(f"{k}={v}" for k, v in routing.items()))
     print(f"ideal hit ratio (one infinite cache): {ideal:.3f}\n")
     print(table(results))
     if sweep:

@@ -311,8 +311,8 @@ class Router:
         is an error. What is left of the work charge is taken back now; the request stays
         in flight until ``finish``. A stream's headers come before its prefill (the server
         does not call this for them), so its charge drains on the router's clock; a
-        release there made every streamed request look like no queued work at all, which
-        in the simulator lengthened the p99 by 1.5-7x (docs/benchmarks.md)."""
+        release there made every streamed request look like no queued work at all (in the
+        simulator, Mooncake p99 up to 7x longer; docs/benchmarks.md)."""
         if decision.rule == RULE_NO_ENDPOINT or decision.endpoint is None:
             return
         i = self._position.get(decision.served or decision.endpoint)

@@ -151,6 +151,25 @@ def test_cli_simulate_end_to_end(tmp_path, capsys) -> None:
     assert "ideal hit ratio" in capsys.readouterr().out
 
 
+def test_cli_simulate_routing_overrides_reach_ours(tmp_path, capsys) -> None:
+    def run(*routing: str) -> dict:
+        out = tmp_path / "out.json"
+        args = ["bench", "simulate", "--workload", "small-multi-turn", "--replicas", "4"]
+        args += ["--policies", "ours", "--no-progress", "--json", str(out), *routing]
+        assert main(args) == 0
+        return json.loads(out.read_text())
+
+    default = run()
+    never_move = run("--routing", "stickiness=1000", "--routing", "load_slack=1000")
+    assert never_move["params"]["routing_overrides"] == {"stickiness": 1000.0, "load_slack": 1000}
+    assert (
+        "routing overrides for ours: load_slack=1000, stickiness=1000.0" in capsys.readouterr().out
+    )
+    assert never_move["policies"]["ours"] != default["policies"]["ours"]
+    with pytest.raises(SystemExit, match=r"routing\.stickyness"):
+        run("--routing", "stickyness=2")
+
+
 def test_ours_runs_on_simulated_time() -> None:
     # The router's queued prefill work drains by the simulation clock, not the wall clock.
     import random
