@@ -70,6 +70,8 @@ class Router:
         # prefill charge of this router's to price it with.
         self._unseen_work = np.zeros(0)
         self._unseen_at = np.zeros(0)
+        self._detached = np.zeros(0)
+        self._detached_at = np.zeros(0)
         self._typical_work = 0.0
         self._charges = 0
         self.set_endpoints(endpoints)
@@ -106,6 +108,8 @@ class Router:
         self._saturated = carried(self._saturated, False, bool)
         self._unseen_work = carried(self._unseen_work, 0.0, np.float64)
         self._unseen_at = carried(self._unseen_at, 0.0, np.float64)
+        self._detached = carried(self._detached, 0.0, np.float64)
+        self._detached_at = carried(self._detached_at, 0.0, np.float64)
         self._weight = np.array([float(e.weight) for e in endpoints], dtype=np.float64)
         self._address_hash = np.array([address_hash(a) for a in addresses], dtype=np.uint64)
         self._addresses = addresses
@@ -180,7 +184,7 @@ class Router:
         now = self.clock()
         self._drain_all(now)
         every = np.arange(len(self._addresses))
-        queued = self._work + self._unseen(every, now)
+        queued = self._work + self._detached_now(every, now) + self._unseen(every, now)
         return dict(zip(self._addresses, queued.tolist(), strict=True))
 
     def index_stats(self) -> IndexStats:
@@ -235,19 +239,31 @@ class Router:
         self._typical_work += (decision.work - self._typical_work) * step
         self._in_flight[i] += 1
 
-    def _release_work(self, i: int, decision: Decision, now: float) -> None:
+    def _release_work(self, i: int, decision: Decision, now: float) -> float:
         """Take back what is left of the request's charge (FIFO: work queued before it
-        drains first)."""
+        drains first); returns how much that was."""
         if decision.work_released:
-            return
+            return 0.0
         decision.work_released = True
         self._drain(i, now)
         drained = self.cost.drain_per_second * max(0.0, now - decision.charged_at)
         left = min(decision.work, max(0.0, decision.work + decision.queued_before - drained))
         self._work[i] = max(0.0, float(self._work[i]) - left)
+        return left
 
-    def _uncharge(self, i: int, decision: Decision, now: float) -> None:
-        self._release_work(i, decision, now)
+    def _detached_now(self, positions: np.ndarray, now: float) -> np.ndarray:
+        """Charges of requests no longer counted in flight whose prefill may not be over
+        (``finish(prefill_over=False)``), drained at the prefill throughput."""
+        elapsed = now - self._detached_at[positions]
+        rate = self.cost.drain_per_second
+        return np.maximum(0.0, self._detached[positions] - rate * elapsed)
+
+    def _uncharge(self, i: int, decision: Decision, now: float, prefill_over: bool) -> None:
+        left = self._release_work(i, decision, now)
+        if not prefill_over and left > 0:
+            where = np.array([i])
+            self._detached[i] = float(self._detached_now(where, now)[0]) + left
+            self._detached_at[i] = now
         if self._in_flight[i] > 0:
             self._in_flight[i] -= 1
         if self._in_flight[i] == 0:
@@ -274,7 +290,9 @@ class Router:
             addresses=self._addresses,
             rows=positions,
             load=np.fmax(self._in_flight[positions], self._reported_load[positions]),
-            work=self._work[positions] + self._unseen(positions, now),
+            work=self._work[positions]
+            + self._detached_now(positions, now)
+            + self._unseen(positions, now),
             matched=self.index.match_positions(hashes, positions),
             weight=self._weight[positions],
             address_hash=self._address_hash[positions],
@@ -298,12 +316,16 @@ class Router:
             self._charge(chosen, decision, now)
         return decision
 
-    def finish(self, decision: Decision) -> None:
+    def finish(self, decision: Decision, prefill_over: bool = True) -> None:
+        """The request is no longer in flight. ``prefill_over=False``: it ended for the
+        router before it did on the endpoint, without proof that the prefill is over (Envoy
+        closes a full-duplex processing stream at a stream's response headers, which come
+        before its prefill): what is left of its charge keeps draining."""
         if decision.rule == RULE_NO_ENDPOINT or decision.endpoint is None:
             return
         i = self._position.get(decision.served or decision.endpoint)
         if i is not None:
-            self._uncharge(i, decision, self.clock())
+            self._uncharge(i, decision, self.clock(), prefill_over)
 
     def prefill_done(self, decision: Decision) -> None:
         """The endpoint's prefill for this request is certainly over: its response headers

@@ -86,6 +86,8 @@ class _Exchange:
     subset: frozenset[str] | None = None
     span: Any = None
     call_metadata: dict[str, str] | None = None
+    # The response is a server-sent-events stream (its headers came before its prefill).
+    event_stream: bool = False
     outcome: Outcome = field(default_factory=lambda: Outcome("pass_through", "no_body"))
 
 
@@ -241,7 +243,10 @@ class ExternalProcessorService(ext_grpc.ExternalProcessorServicer):
             raise
         finally:
             if ex.outcome.decision is not None:
-                self.router.finish(ex.outcome.decision)
+                # Envoy ends a full-duplex processing stream at the response headers: for an
+                # event stream that is before its prefill, so its charge must outlive it.
+                prefill_over = not (ex.full_duplex and ex.event_stream)
+                self.router.finish(ex.outcome.decision, prefill_over=prefill_over)
             self.tracer.finish(ex.span, ex.outcome, self._block_tokens)
             if self.observer is not None:
                 self.observer(ex.outcome)
@@ -374,7 +379,8 @@ class ExternalProcessorService(ext_grpc.ExternalProcessorServicer):
         if decision is not None:
             if served:
                 self.router.served(decision, served)
-            if not _is_event_stream(ex.outcome.status, headers):
+            ex.event_stream = _is_event_stream(ex.outcome.status, headers)
+            if not ex.event_stream:
                 self.router.prefill_done(decision)
         if served and headers.get(UPSTREAM_FAILURE_HEADER):
             # Envoy could not reach the endpoint (its local reply carries the response flags):

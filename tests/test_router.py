@@ -422,6 +422,19 @@ def test_prefill_done_releases_the_charge_but_not_the_in_flight_count():
     assert router.queued_work()[decision.endpoint] == 0
 
 
+def test_a_request_finished_before_its_prefill_keeps_draining_its_charge():
+    clock = Clock()
+    router = Router(RoutingConfig(), ENDPOINTS, clock=clock)
+    decision = router.route(chat("a long prompt " * 400))
+    router.finish(decision, prefill_over=False)  # e.g. a full-duplex stream's headers
+    assert router.in_flight()[decision.endpoint] == 0
+    assert router.queued_work()[decision.endpoint] == decision.work
+    clock.now += decision.work / 2 / router.cost.drain_per_second
+    assert router.queued_work()[decision.endpoint] == decision.work / 2
+    clock.now += decision.work / router.cost.drain_per_second
+    assert router.queued_work()[decision.endpoint] == 0
+
+
 def test_a_session_drawn_by_a_shared_prompt_lands_where_other_routers_look_for_it():
     """A new conversation under a long shared system prompt follows the prompt's holders,
     and among holders with about the same queue it takes the rendezvous pick, not simply

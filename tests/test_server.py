@@ -261,6 +261,28 @@ async def test_only_a_non_stream_response_releases_the_prefill_charge(
     assert await call.read() == grpc.aio.EOF
 
 
+async def test_a_full_duplex_streams_charge_outlives_its_processing_stream(service):
+    """Envoy closes a full-duplex processing stream at the response headers; for an event
+    stream that is before the prefill, so its charge stays (and drains on its clock)."""
+    service.router.cost = dataclasses.replace(service.router.cost, drain_per_second=0.0)
+    for content_type in ("application/json", "text/event-stream"):
+        call = service.stub.Process()
+        await call.write(headers_msg(full_duplex=True))
+        await call.write(body_msg(CHAT, eos=True))
+        primary = destination(await call.read())[0].split(",")[0]
+        await call.read()  # the echoed body
+        charged = service.router.queued_work()[primary]
+        assert charged > 0
+        await call.write(response_headers_msg(primary, "200", content_type))
+        await call.read()
+        await call.done_writing()
+        assert await call.read() == grpc.aio.EOF
+        await asyncio.sleep(0.05)
+        assert service.router.in_flight()[primary] == 0
+        left = service.router.queued_work()[primary]
+        assert left == (charged if content_type == "text/event-stream" else 0)
+
+
 async def test_health_service_reports_serving(service):
     stub = health_pb2_grpc.HealthStub(service.channel)
     for name in ("", "liveness", "readiness", EXT_PROC_SERVICE):

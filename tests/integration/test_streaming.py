@@ -12,13 +12,17 @@ import http.client
 import json
 import time
 
+import pytest
+
 from extproc.stack import LOOPBACK, Stack
 
 from .conftest import chat_body, start_routed_stack
 from .test_observability import get
 
 
-def test_a_streamed_request_stays_charged_past_its_response_headers(tmp_path):
+@pytest.mark.parametrize("body_mode", ["buffered", "full_duplex_streamed"])
+def test_a_streamed_request_stays_charged_past_its_response_headers(tmp_path, body_mode):
+    """In full-duplex mode Envoy even ends the processing stream at those headers."""
     with Stack(workdir=tmp_path) as stack:
         slow_prefill = ["--base-ttft-ms", "1500", "--decode-ms-per-token", "1"]
         members = stack.start_replicas(1, slow_prefill)
@@ -26,7 +30,7 @@ def test_a_streamed_request_stays_charged_past_its_response_headers(tmp_path):
         routed = start_routed_stack(
             stack,
             "override-host",
-            "buffered",
+            body_mode,
             members,
             ["--set", "routing.prefill_tokens_per_second=50", "--set", "health.enabled=false"],
         )
