@@ -10,6 +10,7 @@ drained at the configured throughput and taken back at ``finish``.
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Callable, Sequence
 
@@ -72,6 +73,9 @@ class Router:
         self._unseen_at = np.zeros(0)
         self._detached = np.zeros(0)
         self._detached_at = np.zeros(0)
+        # Clock times after which nothing is left of either (the common case costs nothing).
+        self._unseen_until = 0.0
+        self._detached_until = 0.0
         self._typical_work = 0.0
         self._charges = 0
         self.set_endpoints(endpoints)
@@ -145,7 +149,10 @@ class Router:
         if waiting is not None and self.config.count_unseen_waiting:
             unseen = max(0.0, waiting - float(self._in_flight[i]))
             self._unseen_work[i] = unseen * self._typical_work
-            self._unseen_at[i] = self.clock()
+            self._unseen_at[i] = now = self.clock()
+            self._unseen_until = max(
+                self._unseen_until, self._drained_by(now, unseen * self._typical_work)
+            )
         self._saturated[i] = kv_usage is not None and kv_usage >= self.config.kv_saturated_fraction
         if kv_capacity_tokens and not self._capacity_configured[i]:
             blocks = self.capacity_blocks(kv_capacity_tokens)
@@ -191,7 +198,11 @@ class Router:
         return self.index.stats()
 
     # -- queued work ----------------------------------------------------------------------
-    def _unseen(self, positions: np.ndarray, now: float) -> np.ndarray:
+    def _drained_by(self, now: float, work: float) -> float:
+        rate = self.cost.drain_per_second
+        return now + work / rate if rate > 0 else math.inf
+
+    def _unseen(self, positions: np.ndarray, now: float) -> np.ndarray | float:
         """Queued work other routers sent, as of now. An endpoint that reports more requests
         waiting than this router has in flight there holds at least that many from someone
         else: each is priced as this router's typical prefill, and the sum drains at the
@@ -200,6 +211,8 @@ class Router:
         prompt held a simulated endpoint for 40 s while the others kept sending it
         requests (K=4 p99 up to 8x K=1's, docs/benchmarks.md). With one router (and no
         client bypassing it) nothing waits beyond its own in-flight requests: zero."""
+        if now >= self._unseen_until:
+            return 0.0
         elapsed = now - self._unseen_at[positions]
         left = np.maximum(0.0, self._unseen_work[positions] - self.cost.drain_per_second * elapsed)
         if left.any():
@@ -251,9 +264,11 @@ class Router:
         self._work[i] = max(0.0, float(self._work[i]) - left)
         return left
 
-    def _detached_now(self, positions: np.ndarray, now: float) -> np.ndarray:
+    def _detached_now(self, positions: np.ndarray, now: float) -> np.ndarray | float:
         """Charges of requests no longer counted in flight whose prefill may not be over
         (``finish(prefill_over=False)``), drained at the prefill throughput."""
+        if now >= self._detached_until:
+            return 0.0
         elapsed = now - self._detached_at[positions]
         rate = self.cost.drain_per_second
         return np.maximum(0.0, self._detached[positions] - rate * elapsed)
@@ -261,9 +276,12 @@ class Router:
     def _uncharge(self, i: int, decision: Decision, now: float, prefill_over: bool) -> None:
         left = self._release_work(i, decision, now)
         if not prefill_over and left > 0:
-            where = np.array([i])
-            self._detached[i] = float(self._detached_now(where, now)[0]) + left
+            rest = self._detached_now(np.array([i]), now)
+            self._detached[i] = float(np.sum(rest)) + left
             self._detached_at[i] = now
+            self._detached_until = max(
+                self._detached_until, self._drained_by(now, left + float(np.sum(rest)))
+            )
         if self._in_flight[i] > 0:
             self._in_flight[i] -= 1
         if self._in_flight[i] == 0:
