@@ -163,6 +163,11 @@ class RoutingConfig(_Strict):
         description="prefill throughput of one endpoint: queued work drains at this rate "
         "(0 = hold it until the request ends)",
     )
+    learn_prefill_rate: bool = Field(
+        default=True,
+        description="learn prefill_tokens_per_second from the endpoints' prefill counters "
+        "(vLLM); the configured value is the start",
+    )
     stickiness: float = Field(
         default=8.0, ge=0, description="extra cost per token an endpoint lacks vs the best holder"
     )

@@ -130,6 +130,10 @@ class ReplicaState:
     running: int = 0
     waiting: int = 0
     prefill_ms: float = 0.0  # simulated prefill time, summed
+    # What vLLM observes per request: prefill seconds and KV tokens computed (not cached).
+    prefills: int = 0
+    prefill_seconds: float = 0.0
+    prefill_computed_tokens: int = 0
     finished: dict[str, int] = field(default_factory=lambda: dict.fromkeys(FINISH_REASONS, 0))
     ttft_sum: float = 0.0
     ttft_buckets: list[int] = field(default_factory=lambda: [0] * len(TTFT_BUCKETS))
@@ -308,8 +312,12 @@ class Replica:
             st.hits += job.cached_tokens
             ms = s.base_ttft_ms + (job.prompt_tokens - job.cached_tokens) * s.prefill_ms_per_token
             st.prefill_ms += ms
+            started = time.perf_counter()
             await asyncio.sleep(ms / 1000)
             st.cache.touch(job.hashes)  # computed blocks are reusable from now on
+            st.prefills += 1
+            st.prefill_seconds += time.perf_counter() - started
+            st.prefill_computed_tokens += job.prompt_tokens - job.cached_tokens
         st.prompt_tokens += job.prompt_tokens
 
     async def _run(self, request: web.Request, job: Job) -> web.StreamResponse:
@@ -443,6 +451,16 @@ class VllmCollector:
         buckets = [(repr(b), c) for b, c in zip(TTFT_BUCKETS, st.ttft_buckets, strict=True)]
         ttft.add_metric(values, [*buckets, ("+Inf", st.ttft_count)], st.ttft_sum)
         yield ttft
+        for name, doc, total in (
+            ("vllm:request_prefill_time_seconds",
+             "Histogram of time spent in PREFILL phase for request.", st.prefill_seconds),
+            ("vllm:request_prefill_kv_computed_tokens",
+             "Histogram of new KV tokens computed during prefill (excluding cached tokens).",
+             st.prefill_computed_tokens),
+        ):  # fmt: skip
+            family = HistogramMetricFamily(name, doc, labels=names)
+            family.add_metric(values, [("+Inf", st.prefills)], total)
+            yield family
         info = {
             "block_size": str(s.block_tokens),
             "num_gpu_blocks": str(s.capacity_blocks),

@@ -89,6 +89,13 @@ class RouterMetrics:
             ("endpoint",),
             "livesum",
         )
+        self.prefill_rate = gauge(
+            "prefix_router_prefill_tokens_per_second",
+            "Prefill throughput queued work drains at (learned from the endpoints' counters, "
+            "token-equivalents per second)",
+            (),
+            "livemax",
+        )
         self.healthy = gauge(
             "prefix_router_endpoint_healthy",
             "1 if the endpoint passes the router's health probes",
@@ -150,6 +157,7 @@ class RouterMetrics:
             self.in_flight.labels(address).set(count)
         for address, work in router.queued_work().items():
             self.queued_work.labels(address).set(work)
+        self.prefill_rate.set(router.prefill_rate)
         healthy = set(router.healthy_endpoints())
         for address in router.endpoints:
             self.healthy.labels(address).set(1 if address in healthy else 0)

@@ -9,6 +9,7 @@ drained at the configured throughput and taken back at ``finish``.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import time
@@ -31,6 +32,10 @@ from .scheduler import (
 
 log = logging.getLogger(__name__)
 
+# The prefill throughput (Router._learn_prefill_rate) remembers about this many scrape windows
+# of any endpoint, and moves once they hold this many finished prefills.
+PREFILL_RATE_WINDOWS = 32
+PREFILL_RATE_MIN_PREFILLS = 16
 # The mean of this router's last this-many prefill charges (a plain mean until then):
 # Router._unseen prices another router's waiting request at it.
 TYPICAL_WORK_REQUESTS = 50
@@ -76,6 +81,8 @@ class Router:
         # Clock times after which nothing is left of either (the common case costs nothing).
         self._unseen_until = 0.0
         self._detached_until = 0.0
+        # Prefill work done and time spent, as the endpoints report it (decaying sums).
+        self._rate_work = self._rate_seconds = self._rate_prefills = 0.0
         self._typical_work = 0.0
         self._charges = 0
         self.set_endpoints(endpoints)
@@ -130,16 +137,21 @@ class Router:
         waiting: float | None = None,
         kv_usage: float | None = None,
         kv_capacity_tokens: int | None = None,
+        prefill_window: tuple[float, float, float] | None = None,
     ) -> None:
         """What the endpoint itself reports. Its running + waiting requests count as its load
         when they exceed this router's own in-flight count (other routers' traffic, or
         requests queued in the server); a KV cache nearly full of running requests takes no
         new sessions while another endpoint can (requests whose prefix it holds still go
         there); the KV size sizes the index when the config did not. ``up=False`` (scrape
-        failed) falls back to in-flight counts only."""
+        failed) falls back to in-flight counts only. ``prefill_window``: (computed tokens,
+        prefills, seconds) of the requests it finished since the last scrape, which the
+        prefill throughput is learned from (``_learn_prefill_rate``)."""
         i = self._position.get(address)
         if i is None:
             return
+        if prefill_window is not None:
+            self._learn_prefill_rate(*prefill_window)
         self._unseen_work[i] = 0.0
         if not up:
             self._reported_load[i], self._saturated[i] = np.nan, False
@@ -161,6 +173,35 @@ class Router:
                 self.index.set_endpoints(
                     dict(zip(self._addresses, self._capacity_blocks, strict=True))
                 )
+
+    def _learn_prefill_rate(self, tokens: float, prefills: float, seconds: float) -> None:
+        """Queued work drains at the endpoints' prefill throughput, which depends on the GPU
+        and the model: the default (60,000 token-equivalents/s) is an 8B model on an H200,
+        and two CPU vLLM servers prefill ~10x slower, so with it the router believed their
+        queues emptied at once and sent 67-83% of a shared-document workload to one of two
+        servers (docs/benchmarks.md, live benchmark). The endpoints' own counters give it:
+        the work of what they prefilled, in this cost model's units (each request's base
+        cost, its computed tokens, and the attention term for a mean-sized cold prompt),
+        over the time their requests spent prefilling."""
+        cfg, cost = self.config, self.cost
+        if not cfg.learn_prefill_rate or cost.drain_per_second <= 0 or prefills <= 0:
+            return
+        mean = tokens / prefills
+        work = tokens + prefills * (cost.base_tokens + cost.ctx_factor * mean * mean / 2)
+        keep = 1.0 - 1.0 / PREFILL_RATE_WINDOWS
+        self._rate_work = keep * self._rate_work + work
+        self._rate_seconds = keep * self._rate_seconds + seconds
+        self._rate_prefills = keep * self._rate_prefills + prefills
+        if self._rate_prefills < PREFILL_RATE_MIN_PREFILLS or self._rate_seconds <= 0:
+            return
+        rate = min(max(self._rate_work / self._rate_seconds, 100.0), 1e9)
+        self.cost = dataclasses.replace(cost, drain_per_second=rate)
+        self.scheduler.cost = self.cost
+
+    @property
+    def prefill_rate(self) -> float:
+        """The prefill throughput queued work drains at (token-equivalents per second)."""
+        return self.cost.drain_per_second
 
     @property
     def endpoints(self) -> list[str]:

@@ -132,7 +132,13 @@ class RouterService:
             else None
         )
         self.router.observe_signals(
-            address, signals.up, signals.running, signals.waiting, signals.kv_usage, capacity
+            address,
+            signals.up,
+            signals.running,
+            signals.waiting,
+            signals.kv_usage,
+            capacity,
+            prefill_window=signals.window_prefill,
         )
 
     def observe(self, outcome: Outcome) -> None:

@@ -34,6 +34,11 @@ _GAUGES = {
 _COUNTERS = {
     "vllm:prefix_cache_hits_total": "hits",
     "vllm:prefix_cache_queries_total": "queries",
+    # Per finished request: time from scheduled to first token, and KV tokens computed (not
+    # cached) in that prefill; the router learns the prefill throughput from the two.
+    "vllm:request_prefill_time_seconds_sum": "prefill_seconds",
+    "vllm:request_prefill_time_seconds_count": "prefills",
+    "vllm:request_prefill_kv_computed_tokens_sum": "prefill_tokens",
 }
 
 
@@ -47,8 +52,14 @@ class EndpointSignals:
     queries: float | None = None
     block_size: int | None = None
     num_blocks: int | None = None
+    prefill_seconds: float | None = None
+    prefills: float | None = None
+    prefill_tokens: float | None = None
     # Hits / queries between the last two scrapes that saw new queries.
     window_hit_ratio: float | None = None
+    # (computed tokens, prefills, prefill seconds) of the requests finished since the previous
+    # scrape; None when there were none (each window is reported once).
+    window_prefill: tuple[float, float, float] | None = None
 
 
 def parse_metrics(text: str) -> EndpointSignals:
@@ -107,6 +118,10 @@ class MetricsScraper(EndpointPoller[EndpointSignals]):
             signals.window_hit_ratio = previous.window_hit_ratio
             if not signals.up:  # keep the last counters so the next window is measured
                 signals.hits, signals.queries = previous.hits, previous.queries
+                signals.prefill_seconds = previous.prefill_seconds
+                signals.prefills = previous.prefills
+                signals.prefill_tokens = previous.prefill_tokens
+            signals.window_prefill = _prefill_window(previous, signals)
             if (
                 signals.up
                 and previous.queries is not None
@@ -120,3 +135,18 @@ class MetricsScraper(EndpointPoller[EndpointSignals]):
                 )
         self.latest[address] = signals
         self._on_update(address, signals)
+
+
+def _prefill_window(
+    previous: EndpointSignals, current: EndpointSignals
+) -> tuple[float, float, float] | None:
+    """The prefill counters' increase between two scrapes, when requests finished in
+    between (a counter that went down, a restarted server, gives no window)."""
+    before = (previous.prefill_tokens, previous.prefills, previous.prefill_seconds)
+    after = (current.prefill_tokens, current.prefills, current.prefill_seconds)
+    if not current.up or None in before or None in after:
+        return None
+    tokens, count, seconds = (b - a for a, b in zip(before, after, strict=True))  # type: ignore[operator]
+    if count <= 0 or seconds <= 0 or tokens < 0:
+        return None
+    return tokens, count, seconds

@@ -227,7 +227,16 @@ async def test_metrics_names_labels_and_values(start: Start, session) -> None:
     assert len(info) == 1 and 'block_size="16"' in info[0] and 'num_gpu_blocks="4096"' in info[0]
     names = {re.sub(r"\{.*", "", s) for s in samples}
     assert not any(n.endswith("_created") for n in names)
-    assert {n for n in names if not n.startswith("vllm:time_to_first_token_seconds")} == {
+    assert samples[f"vllm:request_prefill_time_seconds_count{labels}"] == 3
+    assert samples[f"vllm:request_prefill_time_seconds_sum{labels}"] > 0
+    computed = samples[f"vllm:request_prefill_kv_computed_tokens_sum{labels}"]
+    assert computed == state.queries - state.hits
+    histograms = (
+        "vllm:time_to_first_token_seconds",
+        "vllm:request_prefill_time_seconds",
+        "vllm:request_prefill_kv_computed_tokens",
+    )
+    assert {n for n in names if not n.startswith(histograms)} == {
         "vllm:num_requests_running",
         "vllm:num_requests_waiting",
         "vllm:kv_cache_usage_perc",

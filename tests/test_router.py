@@ -1,6 +1,7 @@
 """Scheduler rules through the routing core: affinity, load guard, cold-start agreement."""
 
 import orjson
+import pytest
 
 from extproc.config import EndpointConfig, RoutingConfig
 from extproc.prompt import parse_request
@@ -433,6 +434,32 @@ def test_a_request_finished_before_its_prefill_keeps_draining_its_charge():
     assert router.queued_work()[decision.endpoint] == decision.work / 2
     clock.now += decision.work / router.cost.drain_per_second
     assert router.queued_work()[decision.endpoint] == 0
+
+
+def test_the_prefill_rate_is_learned_from_what_the_endpoints_report():
+    clock = Clock()
+    router = Router(RoutingConfig(), ENDPOINTS, clock=clock)
+    assert router.prefill_rate == 60_000  # the configured start
+    # 8 prefills of 1,000 computed tokens in 2 s per window: a much slower server.
+    router.observe_signals(ENDPOINTS[0].address, up=True, prefill_window=(8000, 8, 2.0))
+    assert router.prefill_rate == 60_000  # too few prefills yet
+    router.observe_signals(ENDPOINTS[1].address, up=True, prefill_window=(8000, 8, 2.0))
+    router.observe_signals(ENDPOINTS[2].address, up=True, prefill_window=(8000, 8, 2.0))
+    cost = router.cost
+    per_request = 1000 + cost.base_tokens + cost.ctx_factor * 1000 * 1000 / 2
+    assert router.prefill_rate == pytest.approx(8 * per_request / 2.0)  # ~12,900
+    # Queued work now drains at that rate.
+    decision = router.route(chat("a long prompt " * 400))
+    clock.now += decision.work / 2 / router.prefill_rate
+    assert router.queued_work()[decision.endpoint] == pytest.approx(decision.work / 2)
+    for config in (
+        RoutingConfig(learn_prefill_rate=False),
+        RoutingConfig(prefill_tokens_per_second=0),
+    ):
+        fixed = Router(config, ENDPOINTS)
+        for e in ENDPOINTS:
+            fixed.observe_signals(e.address, up=True, prefill_window=(8000, 8, 2.0))
+        assert fixed.prefill_rate == config.prefill_tokens_per_second
 
 
 def test_a_session_drawn_by_a_shared_prompt_lands_where_other_routers_look_for_it():

@@ -22,6 +22,14 @@ vllm:prefix_cache_queries_total{engine="0",model_name="m"} 1000.0
 vllm:prefix_cache_hits_total{engine="0",model_name="m"} 600.0
 # TYPE vllm:cache_config_info gauge
 vllm:cache_config_info{block_size="32",engine="0",num_gpu_blocks="2048"} 1.0
+# TYPE vllm:request_prefill_time_seconds histogram
+vllm:request_prefill_time_seconds_bucket{engine="0",le="+Inf",model_name="m"} 12.0
+vllm:request_prefill_time_seconds_count{engine="0",model_name="m"} 12.0
+vllm:request_prefill_time_seconds_sum{engine="0",model_name="m"} 0.75
+# TYPE vllm:request_prefill_kv_computed_tokens histogram
+vllm:request_prefill_kv_computed_tokens_bucket{engine="0",le="+Inf",model_name="m"} 12.0
+vllm:request_prefill_kv_computed_tokens_count{engine="0",model_name="m"} 12.0
+vllm:request_prefill_kv_computed_tokens_sum{engine="0",model_name="m"} 4800.0
 """
 SGLANG_TEXT = """# TYPE sglang:num_running_reqs gauge
 sglang:num_running_reqs{model_name="m"} 2.0
@@ -34,6 +42,7 @@ def test_parse_vllm_and_sglang_names():
     v = parse_metrics(VLLM_TEXT)
     assert (v.up, v.running, v.waiting, v.kv_usage) == (True, 3.0, 5.0, 0.25)
     assert (v.hits, v.queries, v.block_size, v.num_blocks) == (600.0, 1000.0, 32, 2048)
+    assert (v.prefills, v.prefill_seconds, v.prefill_tokens) == (12.0, 0.75, 4800.0)
     s = parse_metrics(SGLANG_TEXT)
     assert (s.running, s.waiting, s.kv_usage, s.hits) == (2.0, 7.0, 0.5, None)
 
@@ -49,6 +58,23 @@ def test_window_hit_ratio_and_down_transitions_keep_counters():
     assert updates[-1][1].hits == 190 and updates[-1][1].window_hit_ratio == pytest.approx(0.9)
     scraper.record("a", EndpointSignals(up=True, hits=200, queries=400))
     assert updates[-1][1].window_hit_ratio == pytest.approx(0.1)
+
+
+def test_prefill_window_is_each_scrapes_increase_reported_once():
+    updates: list[EndpointSignals] = []
+    scraper = MetricsScraper(lambda: ["a"], lambda a, s: updates.append(s))
+
+    def scrape(up=True, **counters):
+        scraper.record("a", EndpointSignals(up=up, **counters))
+        return updates[-1].window_prefill
+
+    assert scrape(prefills=10, prefill_seconds=1.0, prefill_tokens=5000) is None  # first
+    assert scrape(prefills=14, prefill_seconds=1.5, prefill_tokens=7000) == (2000, 4, 0.5)
+    assert scrape(prefills=14, prefill_seconds=1.5, prefill_tokens=7000) is None  # none new
+    assert scrape(up=False) is None  # a dead scrape keeps the counters...
+    assert scrape(prefills=15, prefill_seconds=1.75, prefill_tokens=7100) == (100, 1, 0.25)
+    assert scrape(prefills=2, prefill_seconds=0.1, prefill_tokens=50) is None  # restarted
+    assert scrape() is None  # a server without these metrics
 
 
 async def test_scraper_reads_a_live_replica_and_marks_a_dead_one_down():

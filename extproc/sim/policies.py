@@ -369,17 +369,28 @@ class OursPolicy:
         # at the same default interval, with the replicas' exact figures at that moment.
         self.signals_every = SignalsConfig().interval_seconds
         self.next_scrape = 0.0
+        self.prefill_counters: dict[str, tuple[float, float, float]] = {}
 
     def _scrape(self, now: float) -> None:
         """What signals.py reads from each model server's /metrics: running and waiting
-        requests and KV-cache usage."""
+        requests, KV-cache usage, and the prefill counters' increase since the last scrape
+        (computed tokens, prefills, seconds)."""
         for address, replica in zip(self.addresses, self.ctx.replicas, strict=True):
+            counters = (
+                float(replica.prompt_tokens - replica.hit_tokens),
+                float(replica.requests),
+                replica.prefill_ms / 1000.0,
+            )
+            before = self.prefill_counters.get(address, (0.0, 0.0, 0.0))
+            self.prefill_counters[address] = counters
+            window = tuple(b - a for a, b in zip(before, counters, strict=True))
             self.router.observe_signals(
                 address,
                 True,
                 running=replica.running,
                 waiting=len(replica.waiting),
                 kv_usage=replica.kv_usage(),
+                prefill_window=window if window[1] > 0 else None,  # type: ignore[arg-type]
             )
         self.next_scrape = now + self.signals_every
 

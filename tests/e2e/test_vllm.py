@@ -79,6 +79,9 @@ def test_vllm_metrics_parse_with_signals(vllm_endpoints: list[str]) -> None:
         "vllm:prefix_cache_hits_total",
         "vllm:prefix_cache_queries_total",
         "vllm:cache_config_info",
+        "vllm:request_prefill_time_seconds_sum",
+        "vllm:request_prefill_time_seconds_count",
+        "vllm:request_prefill_kv_computed_tokens_sum",
     ):
         assert name in names, f"{name} missing from vLLM {lab.VLLM_VERSION} /metrics"
     parsed = signals.parse_metrics(text)
@@ -87,6 +90,9 @@ def test_vllm_metrics_parse_with_signals(vllm_endpoints: list[str]) -> None:
     assert parsed.kv_usage is not None and 0.0 <= parsed.kv_usage <= 1.0
     assert parsed.queries is not None and parsed.hits is not None
     assert parsed.queries > 0 and 0 < parsed.hits <= parsed.queries
+    assert parsed.prefills is not None and parsed.prefills >= 2
+    assert parsed.prefill_seconds is not None and parsed.prefill_seconds > 0
+    assert parsed.prefill_tokens is not None and 0 < parsed.prefill_tokens <= parsed.queries
     assert parsed.block_size == lab.BLOCK_SIZE
     assert parsed.num_blocks is not None and parsed.num_blocks * lab.BLOCK_SIZE >= 4096
 
@@ -133,6 +139,9 @@ def test_prefix_routing_beats_round_robin_on_vllm(vllm_endpoints: list[str]) -> 
         for f in text_string_to_metric_families(router_metrics)
         for s in f.samples
     }
+    # The prefill throughput was learned from vLLM's own counters (the start value is 60,000).
+    learned = samples.get(("prefix_router_prefill_tokens_per_second", None))
+    assert learned is not None and learned != 60_000.0, router_metrics
     for address in vllm_endpoints:
         assert samples.get(("prefix_router_endpoint_metrics_up", address)) == 1.0, router_metrics
         assert ("prefix_router_endpoint_kv_usage", address) in samples, router_metrics

@@ -145,6 +145,9 @@ def test_metrics_and_decisions_after_traffic_through_envoy(tmp_path, workers):
         assert 0 < matched < prompt  # 5 conversations seen 4 times each: 3/4 predicted hits
         assert total(metrics, "prefix_router_endpoint_in_flight") == 0
         assert total(metrics, "prefix_router_endpoint_queued_work") == 0
+        # Learned from the replicas' prefill counters: these stand-ins prefill ~2 ms per
+        # request, far faster than the configured start (60,000, an 8B model on an H200).
+        assert total(metrics, "prefix_router_prefill_tokens_per_second") > 200_000
         assert total(metrics, "prefix_router_index_entries") > 0
         assert total(metrics, "prefix_router_endpoint_metrics_up") == len(members)
         realised = [
