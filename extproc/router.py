@@ -197,6 +197,11 @@ class Router:
         rate = min(max(self._rate_work / self._rate_seconds, 100.0), 1e9)
         self.cost = dataclasses.replace(cost, drain_per_second=rate)
         self.scheduler.cost = self.cost
+        # Other routers' work and detached charges drain at the new rate from their own
+        # start times: when nothing is left of them moves with it.
+        if len(self._addresses):
+            self._unseen_until = float((self._unseen_at + self._unseen_work / rate).max())
+            self._detached_until = float((self._detached_at + self._detached / rate).max())
 
     @property
     def prefill_rate(self) -> float:
@@ -228,7 +233,8 @@ class Router:
 
     def queued_work(self) -> dict[str, float]:
         """Estimated prefill work queued per endpoint now (token-equivalents), as the
-        scheduler sees it: this router's charges plus other routers' (``_unseen``)."""
+        scheduler sees it: this router's charges (``_detached_now`` included) plus other
+        routers' (``_unseen``)."""
         now = self.clock()
         self._drain_all(now)
         every = np.arange(len(self._addresses))
