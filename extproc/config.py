@@ -160,8 +160,8 @@ class RoutingConfig(_Strict):
     prefill_tokens_per_second: float = Field(
         default=60_000.0,
         ge=0,
-        description="prefill throughput of one endpoint: queued work drains at this rate "
-        "(0 = hold it until the request ends)",
+        description="prefill throughput of one endpoint: queued work drains at this rate, "
+        "learned from vLLM's counters when learn_prefill_rate (0 = hold it until the request ends)",
     )
     learn_prefill_rate: bool = Field(
         default=True,

@@ -176,10 +176,10 @@ class Router:
 
     def _learn_prefill_rate(self, tokens: float, prefills: float, seconds: float) -> None:
         """Queued work drains at the endpoints' prefill throughput, which depends on the GPU
-        and the model: the default (60,000 token-equivalents/s) is an 8B model on an H200,
-        and two CPU vLLM servers prefill ~10x slower, so with it the router believed their
-        queues emptied at once and sent 67-83% of a shared-document workload to one of two
-        servers (docs/benchmarks.md, live benchmark). The endpoints' own counters give it:
+        and the model: the default (60,000 token-equivalents/s) is an 8B model on an H200;
+        the test suite's CPU vLLM servers do ~4,300, so with the default the router believed
+        their queues emptied at once and sent 67-83% of a shared-document workload to one
+        of two servers (docs/benchmarks.md, live benchmark). Their own counters give it:
         the work of what they prefilled, in this cost model's units (each request's base
         cost, its computed tokens, and the attention term for a mean-sized cold prompt),
         over the time their requests spent prefilling."""

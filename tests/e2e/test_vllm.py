@@ -141,6 +141,7 @@ def test_prefix_routing_beats_round_robin_on_vllm(vllm_endpoints: list[str]) -> 
     }
     # The prefill throughput was learned from vLLM's own counters (the start value is 60,000).
     learned = samples.get(("prefix_router_prefill_tokens_per_second", None))
+    print(f"learned prefill throughput: {learned} token-equivalents/s")
     assert learned is not None and learned != 60_000.0, router_metrics
     for address in vllm_endpoints:
         assert samples.get(("prefix_router_endpoint_metrics_up", address)) == 1.0, router_metrics
