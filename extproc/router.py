@@ -41,6 +41,34 @@ PREFILL_RATE_MIN_PREFILLS = 16
 TYPICAL_WORK_REQUESTS = 50
 
 
+class _DrainingWork:
+    """Prefill work per endpoint, set at a clock time and draining at the prefill throughput
+    from then on, with the time after which none is left anywhere (so that the usual case,
+    none, costs one comparison on the decision path)."""
+
+    __slots__ = ("amount", "since", "until")
+
+    def __init__(self) -> None:
+        self.amount = np.zeros(0)
+        self.since = np.zeros(0)
+        self.until = 0.0
+
+    def left(self, positions: np.ndarray, now: float, rate: float) -> np.ndarray | float:
+        if now >= self.until:
+            return 0.0
+        elapsed = now - self.since[positions]
+        return np.maximum(0.0, self.amount[positions] - rate * elapsed)
+
+    def set(self, i: int, amount: float, now: float, rate: float) -> None:
+        self.amount[i], self.since[i] = amount, now
+        self.until = max(self.until, now + amount / rate if rate > 0 else math.inf)
+
+    def rate_changed(self, rate: float) -> None:
+        """What is left drains at ``rate`` from each start time: the end time moves."""
+        if len(self.amount):
+            self.until = float((self.since + self.amount / rate).max())
+
+
 class Router:
     """Endpoint state lives in arrays (one entry per endpoint, in ``endpoints`` order, the
     same order as the index's regions), so a decision never loops over endpoints in Python."""
@@ -72,17 +100,13 @@ class Router:
         # From the endpoint's own /metrics (signals.py); NaN/False when unknown or unreachable.
         self._reported_load = np.zeros(0)
         self._saturated = np.zeros(0, dtype=bool)
-        # Other routers' queued work as of the last scrape (``_unseen_work``), and a typical
-        # prefill charge of this router's to price it with.
-        self._unseen_work = np.zeros(0)
-        self._unseen_at = np.zeros(0)
-        self._detached = np.zeros(0)
-        self._detached_at = np.zeros(0)
-        # Clock times after which nothing is left of either (the common case costs nothing).
-        self._unseen_until = 0.0
-        self._detached_until = 0.0
+        # Other routers' queued work as of the last scrape (``_unseen``), and the charges of
+        # requests that ended before their prefill may have (``_detached_now``).
+        self._unseen_work = _DrainingWork()
+        self._detached = _DrainingWork()
         # Prefill work done and time spent, as the endpoints report it (decaying sums).
         self._rate_work = self._rate_seconds = self._rate_prefills = 0.0
+        # A typical prefill charge of this router's, to price other routers' requests with.
         self._typical_work = 0.0
         self._charges = 0
         self.set_endpoints(endpoints)
@@ -117,10 +141,9 @@ class Router:
         self._work_at = carried(self._work_at, 0.0, np.float64)
         self._reported_load = carried(self._reported_load, np.nan, np.float64)
         self._saturated = carried(self._saturated, False, bool)
-        self._unseen_work = carried(self._unseen_work, 0.0, np.float64)
-        self._unseen_at = carried(self._unseen_at, 0.0, np.float64)
-        self._detached = carried(self._detached, 0.0, np.float64)
-        self._detached_at = carried(self._detached_at, 0.0, np.float64)
+        for draining in (self._unseen_work, self._detached):
+            draining.amount = carried(draining.amount, 0.0, np.float64)
+            draining.since = carried(draining.since, 0.0, np.float64)
         self._weight = np.array([float(e.weight) for e in endpoints], dtype=np.float64)
         self._address_hash = np.array([address_hash(a) for a in addresses], dtype=np.uint64)
         self._addresses = addresses
@@ -152,7 +175,7 @@ class Router:
             return
         if prefill_window is not None:
             self._learn_prefill_rate(*prefill_window)
-        self._unseen_work[i] = 0.0
+        self._unseen_work.amount[i] = 0.0
         if not up:
             self._reported_load[i], self._saturated[i] = np.nan, False
             return
@@ -160,11 +183,8 @@ class Router:
         self._reported_load[i] = sum(known) if known else np.nan
         if waiting is not None and self.config.count_unseen_waiting:
             unseen = max(0.0, waiting - float(self._in_flight[i]))
-            self._unseen_work[i] = unseen * self._typical_work
-            self._unseen_at[i] = now = self.clock()
-            self._unseen_until = max(
-                self._unseen_until, self._drained_by(now, unseen * self._typical_work)
-            )
+            work, rate = unseen * self._typical_work, self.cost.drain_per_second
+            self._unseen_work.set(i, work, self.clock(), rate)
         self._saturated[i] = kv_usage is not None and kv_usage >= self.config.kv_saturated_fraction
         if kv_capacity_tokens and not self._capacity_configured[i]:
             blocks = self.capacity_blocks(kv_capacity_tokens)
@@ -199,9 +219,8 @@ class Router:
         self.scheduler.cost = self.cost
         # Other routers' work and detached charges drain at the new rate from their own
         # start times: when nothing is left of them moves with it.
-        if len(self._addresses):
-            self._unseen_until = float((self._unseen_at + self._unseen_work / rate).max())
-            self._detached_until = float((self._detached_at + self._detached / rate).max())
+        self._unseen_work.rate_changed(rate)
+        self._detached.rate_changed(rate)
 
     @property
     def prefill_rate(self) -> float:
@@ -245,10 +264,6 @@ class Router:
         return self.index.stats()
 
     # -- queued work ----------------------------------------------------------------------
-    def _drained_by(self, now: float, work: float) -> float:
-        rate = self.cost.drain_per_second
-        return now + work / rate if rate > 0 else math.inf
-
     def _unseen(self, positions: np.ndarray, now: float) -> np.ndarray | float:
         """Queued work other routers sent, as of now. An endpoint that reports more requests
         waiting than this router has in flight there holds at least that many from someone
@@ -258,11 +273,8 @@ class Router:
         prompt held a simulated endpoint for 40 s while the others kept sending it
         requests (K=4 p99 up to 8x K=1's, docs/benchmarks.md). With one router (and no
         client bypassing it) nothing waits beyond its own in-flight requests: zero."""
-        if now >= self._unseen_until:
-            return 0.0
-        elapsed = now - self._unseen_at[positions]
-        left = np.maximum(0.0, self._unseen_work[positions] - self.cost.drain_per_second * elapsed)
-        if left.any():
+        left = self._unseen_work.left(positions, now, self.cost.drain_per_second)
+        if isinstance(left, np.ndarray) and left.any():
             # Only the excess over the endpoints' median: a queue every endpoint has does not
             # say where to send, and in an overloaded pool counting it in full had each router
             # move different sessions off their prefixes (GAIE 4 x 100k, K=4: hit ratio 0.33
@@ -314,21 +326,13 @@ class Router:
     def _detached_now(self, positions: np.ndarray, now: float) -> np.ndarray | float:
         """Charges of requests no longer counted in flight whose prefill may not be over
         (``finish(prefill_over=False)``), drained at the prefill throughput."""
-        if now >= self._detached_until:
-            return 0.0
-        elapsed = now - self._detached_at[positions]
-        rate = self.cost.drain_per_second
-        return np.maximum(0.0, self._detached[positions] - rate * elapsed)
+        return self._detached.left(positions, now, self.cost.drain_per_second)
 
     def _uncharge(self, i: int, decision: Decision, now: float, prefill_over: bool) -> None:
         left = self._release_work(i, decision, now)
         if not prefill_over and left > 0:
-            rest = self._detached_now(np.array([i]), now)
-            self._detached[i] = float(np.sum(rest)) + left
-            self._detached_at[i] = now
-            self._detached_until = max(
-                self._detached_until, self._drained_by(now, left + float(np.sum(rest)))
-            )
+            rest = float(np.sum(self._detached_now(np.array([i]), now)))
+            self._detached.set(i, rest + left, now, self.cost.drain_per_second)
         if self._in_flight[i] > 0:
             self._in_flight[i] -= 1
         if self._in_flight[i] == 0:

@@ -121,7 +121,7 @@ class MetricsScraper(EndpointPoller[EndpointSignals]):
                 signals.prefill_seconds = previous.prefill_seconds
                 signals.prefills = previous.prefills
                 signals.prefill_tokens = previous.prefill_tokens
-            signals.window_prefill = _prefill_window(previous, signals)
+            signals.window_prefill = prefill_window(previous, signals)
             if (
                 signals.up
                 and previous.queries is not None
@@ -137,7 +137,7 @@ class MetricsScraper(EndpointPoller[EndpointSignals]):
         self._on_update(address, signals)
 
 
-def _prefill_window(
+def prefill_window(
     previous: EndpointSignals, current: EndpointSignals
 ) -> tuple[float, float, float] | None:
     """The prefill counters' increase between two scrapes, when requests finished in

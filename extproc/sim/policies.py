@@ -26,6 +26,7 @@ from ..config import EndpointConfig, RoutingConfig, SignalsConfig
 from ..prompt import LLMRequest
 from ..router import Router
 from ..scheduler import CostModel as RouterCostModel
+from ..signals import EndpointSignals, prefill_window
 from .cache import ChunkLRU
 from .replica import Replica, cache_units
 from .workloads import SimRequest
@@ -348,6 +349,10 @@ def sim_routing_config(base: RoutingConfig, chunk_tokens: int) -> RoutingConfig:
     )
 
 
+# A replica's prefill counters before its first request.
+_NO_PREFILLS = EndpointSignals(up=True, prefill_tokens=0.0, prefills=0.0, prefill_seconds=0.0)
+
+
 class OursPolicy:
     """extproc.router.Router, unchanged: route() on an LLMRequest, finish() on completion."""
 
@@ -369,28 +374,28 @@ class OursPolicy:
         # at the same default interval, with the replicas' exact figures at that moment.
         self.signals_every = SignalsConfig().interval_seconds
         self.next_scrape = 0.0
-        self.prefill_counters: dict[str, tuple[float, float, float]] = {}
+        self.prefill_counters: dict[str, EndpointSignals] = {}
 
     def _scrape(self, now: float) -> None:
         """What signals.py reads from each model server's /metrics: running and waiting
         requests, KV-cache usage, and the prefill counters' increase since the last scrape
         (computed tokens, prefills, seconds)."""
         for address, replica in zip(self.addresses, self.ctx.replicas, strict=True):
-            counters = (
-                float(replica.prompt_tokens - replica.hit_tokens),
-                float(replica.requests),
-                replica.prefill_ms / 1000.0,
+            counters = EndpointSignals(
+                up=True,
+                prefill_tokens=float(replica.prompt_tokens - replica.hit_tokens),
+                prefills=float(replica.requests),
+                prefill_seconds=replica.prefill_ms / 1000.0,
             )
-            before = self.prefill_counters.get(address, (0.0, 0.0, 0.0))
+            before = self.prefill_counters.get(address, _NO_PREFILLS)
             self.prefill_counters[address] = counters
-            window = tuple(b - a for a, b in zip(before, counters, strict=True))
             self.router.observe_signals(
                 address,
                 True,
                 running=replica.running,
                 waiting=len(replica.waiting),
                 kv_usage=replica.kv_usage(),
-                prefill_window=window if window[1] > 0 else None,  # type: ignore[arg-type]
+                prefill_window=prefill_window(before, counters),
             )
         self.next_scrape = now + self.signals_every
 
