@@ -250,7 +250,7 @@ def simulate_command(args: argparse.Namespace) -> int:
         cost=cost,
         routing=RoutingConfig(**routing),
     )
-    ks = sorted({int(k) for k in args.sweep_k.split(",")}) if args.sweep_k else []
+    ks = _int_list("--sweep-k", args.sweep_k) if args.sweep_k else []
     swept = [n for n in names if n not in BOUNDS]
     extra_runs = [(n, k) for k in ks if k != args.router_replicas for n in swept]
     requests = workload.requests
