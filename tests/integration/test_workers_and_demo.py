@@ -59,6 +59,8 @@ def test_demo_runs_and_prefix_routing_beats_round_robin(tmp_path):
             "13",
             "--turns",
             "3",
+            "--repeats",
+            "3",
             "--json",
             str(out),
         ],
@@ -67,10 +69,13 @@ def test_demo_runs_and_prefix_routing_beats_round_robin(tmp_path):
         timeout=300,
     )
     assert result.returncode == 0, result.stderr[-2000:]
-    assert "cache hit ratio" in result.stdout
+    assert "cache hit ratio" in result.stdout and "median of 3 runs" in result.stdout
     runs = json.loads(out.read_text())["runs"]
     for run in runs.values():
         assert run["errors"] == 0 and run["requests"] == 39
+        assert run["errors_all_runs"] == 0 and run["requests_all_runs"] == 3 * 39
+        assert len(run["hit_ratio_runs"]) == 3
+        assert run["hit_ratio"] == sorted(run["hit_ratio_runs"])[1]  # the median run's
         assert set(run) >= {
             "requests",
             "errors",
