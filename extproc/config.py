@@ -176,6 +176,12 @@ class RoutingConfig(_Strict):
         ge=0,
         description="cold start: skip a hashed pick queued this many cold prefills past the least",
     )
+    shared_cold_margin: float = Field(
+        default=1.0,
+        ge=0,
+        description="cold_margin once this router sends at most half of what the endpoints "
+        "serve (several router replicas); linear in between; = cold_margin: off",
+    )
     min_match_blocks: int = Field(
         default=1, ge=1, description="fewest matched blocks that count as holding a prefix"
     )

@@ -96,6 +96,20 @@ class RouterMetrics:
             (),
             "livemax",
         )
+        self.traffic_share = gauge(
+            "prefix_router_traffic_share",
+            "This router's share of the requests its endpoints report finishing (1 = it "
+            "places all of them; about 1/K with K router replicas)",
+            (),
+            "liveall",
+        )
+        self.cold_margin = gauge(
+            "prefix_router_cold_margin",
+            "Cold-start margin in use: routing.cold_margin alone, up to "
+            "routing.shared_cold_margin as the traffic share falls to a half",
+            (),
+            "liveall",
+        )
         self.healthy = gauge(
             "prefix_router_endpoint_healthy",
             "1 if the endpoint passes the router's health probes",
@@ -158,6 +172,8 @@ class RouterMetrics:
         for address, work in router.queued_work().items():
             self.queued_work.labels(address).set(work)
         self.prefill_rate.set(router.prefill_rate)
+        self.traffic_share.set(router.traffic_share)
+        self.cold_margin.set(router.cold_margin)
         healthy = set(router.healthy_endpoints())
         for address in router.endpoints:
             self.healthy.labels(address).set(1 if address in healthy else 0)

@@ -143,6 +143,12 @@ def test_prefix_routing_beats_round_robin_on_vllm(vllm_endpoints: list[str]) -> 
     learned = samples.get(("prefix_router_prefill_tokens_per_second", None))
     print(f"learned prefill throughput: {learned} token-equivalents/s")
     assert learned is not None and learned != 60_000.0, router_metrics
+    # This router sent every request vLLM finished: its measured share of the traffic is
+    # (about) all, so it keeps the one-router cold-start margin.
+    share = samples.get(("prefix_router_traffic_share", None))
+    margin = samples.get(("prefix_router_cold_margin", None))
+    print(f"traffic share {share}, cold margin {margin}")
+    assert share is not None and share > 0.8 and margin is not None and margin < 0.6, router_metrics
     for address in vllm_endpoints:
         assert samples.get(("prefix_router_endpoint_metrics_up", address)) == 1.0, router_metrics
         assert ("prefix_router_endpoint_kv_usage", address) in samples, router_metrics
