@@ -24,7 +24,7 @@ from .sim.engine import SimParams, simulate
 from .sim.grid import CAPACITIES
 from .sim.policies import ALL_POLICIES, BOUNDS, ideal_hit_ratio
 from .sim.replica import CostModel
-from .sim.report import plot, summarize, table
+from .sim.report import audit_table, plot, summarize, table
 from .sim.workloads import PRESETS, Workload, load_mooncake
 
 # Benchmarks in their own modules: name -> (module, help).
@@ -92,6 +92,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     sim.add_argument("--plot", help="write a PNG here (matplotlib)")
     sim.add_argument(
         "--sweep-k", help="also run router replicas K in this comma list (e.g. 1,2,4,8)"
+    )
+    sim.add_argument(
+        "--audit",
+        action="store_true",
+        help="check every decision against the replicas' true caches: per rule, how many "
+        "missed a replica holding more of the prompt and the hit ratio that cost",
     )
     sim.add_argument("--no-progress", action="store_true", help="no progress bar")
     add_grid_arguments(sub.add_parser("grid", help="simulator grid: ours vs best peer per cell"))
@@ -249,6 +255,7 @@ def simulate_command(args: argparse.Namespace) -> int:
         seed=args.seed,
         cost=cost,
         routing=RoutingConfig(**routing),
+        audit=args.audit,
     )
     ks = _int_list("--sweep-k", args.sweep_k) if args.sweep_k else []
     swept = [n for n in names if n not in BOUNDS]
@@ -316,6 +323,8 @@ def simulate_command(args: argparse.Namespace) -> int:
         print("policy".ljust(18) + "".join(f"K={k}".rjust(8) for k in ks))
         for name, by_k in sweep.items():
             print(name.ljust(18) + "".join(f"{by_k[k]:8.3f}" for k in ks))
+    if args.audit:
+        print("\n" + audit_table(results))
     print(f"\n{doc['wall_seconds']:.1f} s wall")
     if args.json_out:
         Path(args.json_out).write_text(json.dumps(doc, indent=2) + "\n")

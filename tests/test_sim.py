@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -91,6 +92,23 @@ def test_runs_are_deterministic_for_a_seed(small_chat: Workload) -> None:
         assert first == again
 
 
+def test_the_audit_checks_each_decision_against_the_true_caches(small_chat: Workload) -> None:
+    params = SimParams(replicas=4, capacity_tokens=20_000, router_replicas=2, seed=1)
+    assert simulate(small_chat, "ours", params).audit == {}  # only when asked for
+    audited = dataclasses.replace(params, audit=True)
+    ours = simulate(small_chat, "ours", audited)
+    # Every decision once, under the rule that made it; auditing changes nothing else.
+    assert {rule: a.decisions for rule, a in ours.audit.items()} == ours.rules
+    plain, checked = summarize(simulate(small_chat, "ours", params), 1.0), summarize(ours, 1.0)
+    assert {k: v for k, v in checked.items() if k != "audit"} == plain
+    # Random placement misses holders; the oracle, which routes on the true caches, never.
+    random = simulate(small_chat, "random", audited).audit["random"]
+    assert random.decisions == len(small_chat.requests)
+    assert random.off_best_holder > 0 and random.tokens_lost > 0
+    oracle = simulate(small_chat, "oracle", audited).audit["oracle"]
+    assert oracle.off_best_holder == 0 and oracle.tokens_lost == 0
+
+
 def test_prefix_aware_policies_beat_random(small_chat: Workload) -> None:
     params = SimParams(replicas=4, capacity_tokens=20_000, seed=0)
     hit = {
@@ -136,11 +154,13 @@ def test_cli_simulate_end_to_end(tmp_path, capsys) -> None:
             str(png),
             "--sweep-k",
             "1,2",
+            "--audit",
             "--no-progress",
         ]
     )
     assert code == 0
     doc = json.loads(out.read_text())
+    assert doc["policies"]["random"]["audit"]["random"]["decisions"] == 200
     assert set(doc["policies"]) == {"ours", "random", "oracle"}
     for stats in doc["policies"].values():
         assert {"hit_ratio", "ttft_p50_ms", "ttft_p90_ms", "ttft_p99_ms"} <= set(stats)
@@ -148,7 +168,8 @@ def test_cli_simulate_end_to_end(tmp_path, capsys) -> None:
     assert doc["params"]["replicas"] == 4 and "cost_model" in doc["params"]
     assert set(doc["sweep_k"]["ours"]) == {"1", "2"}
     assert png.stat().st_size > 10_000
-    assert "ideal hit ratio" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "ideal hit ratio" in printed and "against the replicas' true caches" in printed
 
 
 def test_cli_simulate_routing_overrides_reach_ours(tmp_path, capsys) -> None:

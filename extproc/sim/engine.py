@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from ..config import RoutingConfig
 from ..scheduler import CostModel as RouterCostModel
 from .policies import PolicyContext, make_policy
-from .replica import CostModel, Replica
+from .replica import CostModel, Replica, cache_units
 from .workloads import SimRequest, Workload
 
 ARRIVAL, PREFILL_DONE, FINISH = 0, 1, 2
@@ -29,6 +29,9 @@ class SimParams:
     cost: CostModel = field(default_factory=CostModel)
     routing: RoutingConfig = field(default_factory=RoutingConfig)
     router_cost: RouterCostModel | None = None
+    # Check every decision against the replicas' true caches (RunResult.audit); costs a
+    # cache lookup per replica per request.
+    audit: bool = False
 
 
 @dataclass(slots=True)
@@ -40,6 +43,17 @@ class RequestRecord:
     ttft_ms: float = 0.0
 
 
+@dataclass(slots=True)
+class RuleAudit:
+    """Decisions of one rule, against what the replicas really held when each was made."""
+
+    decisions: int = 0
+    # Decisions that sent the request elsewhere than to a replica holding more of its prompt.
+    off_best_holder: int = 0
+    # The prompt tokens those decisions left behind (the best holder's match minus the pick's).
+    tokens_lost: int = 0
+
+
 @dataclass
 class RunResult:
     policy: str
@@ -49,6 +63,7 @@ class RunResult:
     requests: list[SimRequest]
     rules: dict[str, int]
     sim_seconds: float
+    audit: dict[str, RuleAudit] = field(default_factory=dict)
 
 
 def simulate(
@@ -91,12 +106,24 @@ def simulate(
         heapq.heappush(heap, (now + duration, seq, PREFILL_DONE, request))
         seq += 1
 
+    audit: dict[str, RuleAudit] = {}
+    block_tokens = params.cost.kv_block_tokens
     arrived, now = 0, 0.0
     while heap:
         now, _, kind, request = heapq.heappop(heap)
         ctx.now = now / 1000.0
         if kind == ARRIVAL:
+            if params.audit:
+                full, last = cache_units(request, block_tokens)
+                held = [r.cache.match(request.ids, full, last) for r in replicas]
             index, handle = router.route(request, now / 1000.0)
+            if params.audit:
+                rule = getattr(handle[1], "rule", None) or policy
+                entry = audit.setdefault(rule, RuleAudit())
+                entry.decisions += 1
+                if held[index] < max(held):
+                    entry.off_best_holder += 1
+                    entry.tokens_lost += max(held) - held[index]
             handles[request.rid] = handle
             records[request.rid].replica = index
             replicas[index].enqueue(request)
@@ -120,4 +147,6 @@ def simulate(
             try_start(replica, now)
     if progress is not None and arrived % 256:
         progress(arrived % 256)
-    return RunResult(policy, params, records, replicas, requests, router.rules(), now / 1000.0)
+    return RunResult(
+        policy, params, records, replicas, requests, router.rules(), now / 1000.0, audit
+    )

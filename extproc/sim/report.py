@@ -42,7 +42,31 @@ def summarize(result: RunResult, ideal_hit_ratio: float) -> dict[str, Any]:
     }
     if result.rules:
         summary["rules"] = dict(sorted(result.rules.items()))
+    if result.audit:
+        summary["audit"] = {
+            rule: {
+                "decisions": a.decisions,
+                "off_best_holder": a.off_best_holder,
+                "hit_ratio_lost": round(a.tokens_lost / prompt, 4) if prompt else 0.0,
+            }
+            for rule, a in sorted(result.audit.items())
+        }
     return summary
+
+
+def audit_table(results: dict[str, dict[str, Any]]) -> str:
+    """Per policy and rule: decisions, those off the replica holding most of the prompt, and
+    the hit ratio they left behind (measured when the request was routed)."""
+    lines = ["decisions against the replicas' true caches (when routed):"]
+    lines.append(f"{'policy':18}{'rule':18}{'decisions':>10}{'off best':>10}{'hit lost':>10}")
+    for name, summary in results.items():
+        for rule, a in summary.get("audit", {}).items():
+            label = "" if rule == name else rule
+            lines.append(
+                f"{name:18}{label:18}{a['decisions']:>10}{a['off_best_holder']:>10}"
+                f"{a['hit_ratio_lost']:>10.4f}"
+            )
+    return "\n".join(lines)
 
 
 COLUMNS = [
