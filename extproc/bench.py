@@ -93,6 +93,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     sim.add_argument(
         "--sweep-k", help="also run router replicas K in this comma list (e.g. 1,2,4,8)"
     )
+    _add_share_queues_argument(sim)
     sim.add_argument(
         "--audit",
         action="store_true",
@@ -114,11 +115,21 @@ def add_grid_arguments(grid: argparse.ArgumentParser) -> None:
     grid.add_argument("--router-replicas", default="1,4", help="comma list of K for ours")
     grid.add_argument("--policies", default="all", help="comma list or 'all'")
     _add_routing_argument(grid)
+    _add_share_queues_argument(grid)
     grid.add_argument(
         "--peers-from", help="reuse the peers' results from this grid JSON (simulate ours only)"
     )
     grid.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="worker processes")
     grid.add_argument("--json", dest="json_out", help="write results as JSON here")
+
+
+def _add_share_queues_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--share-queues",
+        action="store_true",
+        help="ours' K router replicas read each other's queued work every second "
+        "(the server's peers config)",
+    )
 
 
 def _add_routing_argument(parser: argparse.ArgumentParser) -> None:
@@ -216,14 +227,23 @@ def grid_command(args: argparse.Namespace) -> int:
     runs = sum(1 for c in todo for p in names if p == sim_grid.OURS or c.router_replicas == 1)
     bar = tqdm(total=runs, unit="run", file=sys.stderr, disable=None)
     results = sim_grid.run_grid(
-        todo, names, args.trace, routing, args.jobs, lambda *_: bar.update(1)
+        todo,
+        names,
+        args.trace,
+        routing,
+        args.jobs,
+        lambda *_: bar.update(1),
+        share_queues=args.share_queues,
     )
     bar.close()
     for cell, by_policy in peers.items():
         if cell in results:
             results[cell] = {**by_policy, **results[cell]}
     rows = sim_grid.verdicts(results)
-    print(f"routing overrides: {routing or 'none'}; {runs} runs, {args.jobs} worker processes")
+    shared = "; router replicas share queued work" if args.share_queues else ""
+    print(
+        f"routing overrides: {routing or 'none'}{shared}; {runs} runs, {args.jobs} worker processes"
+    )
     print(sim_grid.markdown(rows))
     print(sim_grid.summary_line(rows))
     wall = time.perf_counter() - started
@@ -232,6 +252,7 @@ def grid_command(args: argparse.Namespace) -> int:
         doc = {
             "cells": sim_grid.to_json(results),
             "routing_overrides": routing,
+            "share_queues": args.share_queues,
             "summary": sim_grid.summary_line(rows),
             "wall_seconds": round(wall, 2),
             "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
@@ -256,6 +277,7 @@ def simulate_command(args: argparse.Namespace) -> int:
         cost=cost,
         routing=RoutingConfig(**routing),
         audit=args.audit,
+        share_queues=args.share_queues,
     )
     ks = _int_list("--sweep-k", args.sweep_k) if args.sweep_k else []
     swept = [n for n in names if n not in BOUNDS]
@@ -299,6 +321,7 @@ def simulate_command(args: argparse.Namespace) -> int:
             "seed": args.seed,
             "cost_model": cost.as_dict(),
             "routing_overrides": routing,
+            "share_queues": args.share_queues,
         },
         "wall_seconds": round(time.perf_counter() - started, 2),
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),

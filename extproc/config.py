@@ -333,6 +333,56 @@ class SignalsConfig(_Strict):
     timeout_seconds: float = Field(default=1.0, gt=0, description="scrape timeout")
 
 
+class PeersConfig(_Strict):
+    """Other replicas of this router, whose own queued work is counted as this one's (off
+    while no address or DNS name is set). Each replica exports its charges per endpoint on
+    its admin /metrics (``prefix_router_own_queued_work``) and reads the others' every
+    interval, so a long prefill one replica sent is seen by all within about a second."""
+
+    addresses: tuple[str, ...] = Field(
+        default=(), description="admin host:port of each other replica (its own is skipped)"
+    )
+    dns_name: str | None = Field(
+        default=None, description="name resolving to every replica (a headless Service)"
+    )
+    dns_port: int | None = Field(
+        default=None, ge=1, le=65535, description="admin port of the replicas behind dns_name"
+    )
+    interval_seconds: float = Field(default=1.0, gt=0, description="time between reads")
+    timeout_seconds: float = Field(default=0.5, gt=0, description="read timeout")
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.addresses) or self.dns_name is not None
+
+    @field_validator("addresses", mode="before")
+    @classmethod
+    def _addresses_from_string(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            return [part.strip() for part in value.split(",") if part.strip()]
+        return value
+
+    @field_validator("addresses")
+    @classmethod
+    def _host_ports(cls, value: tuple[str, ...]) -> tuple[str, ...]:
+        """host:port, where the host may be a name (the admin HTTP client resolves it)."""
+        for address in value:
+            host, sep, port = address.rpartition(":")
+            if not sep or not host.strip("[]") or not port.isdigit() or not 0 < int(port) < 65536:
+                raise ValueError(f"{address!r} is not 'host:port' (IPv6 as '[addr]:port')")
+        return value
+
+    @model_validator(mode="after")
+    def _dns_complete(self) -> PeersConfig:
+        if (self.dns_name is None) != (self.dns_port is None):
+            raise ValueError("dns_name and dns_port: set both (or neither)")
+        if self.dns_name is not None and (
+            not self.dns_name.strip() or any(c.isspace() for c in self.dns_name)
+        ):
+            raise ValueError("dns_name: must be a DNS name without spaces")
+        return self
+
+
 class TLSConfig(_Strict):
     """TLS (and mTLS) on the gRPC port Envoy connects to; off while cert_file is unset.
 
@@ -376,6 +426,7 @@ class Config(_Strict):
     routing: RoutingConfig = RoutingConfig()
     health: HealthCheckConfig = HealthCheckConfig()
     signals: SignalsConfig = SignalsConfig()
+    peers: PeersConfig = PeersConfig()
     endpoints: tuple[EndpointConfig, ...] = ()
     discovery: DiscoveryConfig = DiscoveryConfig()
     tls: TLSConfig = TLSConfig()

@@ -96,6 +96,19 @@ class RouterMetrics:
             (),
             "livemax",
         )
+        self.own_queued_work = gauge(
+            "prefix_router_own_queued_work",
+            "Prefill work this router replica itself sent each endpoint and estimates still "
+            "queued (token-equivalents): what its peers read (peers config)",
+            ("router", "endpoint"),
+            "liveall",
+        )
+        self.peers = gauge(
+            "prefix_router_peers",
+            "Other router replicas whose queued work this one counts (heard from recently)",
+            (),
+            "liveall",
+        )
         self.traffic_share = gauge(
             "prefix_router_traffic_share",
             "This router's share of the requests its endpoints report finishing (1 = it "
@@ -172,6 +185,9 @@ class RouterMetrics:
         for address, work in router.queued_work().items():
             self.queued_work.labels(address).set(work)
         self.prefill_rate.set(router.prefill_rate)
+        for address, work in router.own_queued_work().items():
+            self.own_queued_work.labels(router.instance, address).set(work)
+        self.peers.set(len(router.peers()))
         self.traffic_share.set(router.traffic_share)
         self.cold_margin.set(router.cold_margin)
         healthy = set(router.healthy_endpoints())

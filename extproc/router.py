@@ -13,7 +13,8 @@ import dataclasses
 import logging
 import math
 import time
-from collections.abc import Callable, Sequence
+import uuid
+from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
 
@@ -40,6 +41,8 @@ PREFILL_RATE_MIN_PREFILLS = 16
 # decaying sums over about this many scrape windows, trusted once they hold this many.
 TRAFFIC_SHARE_WINDOWS = 64
 TRAFFIC_SHARE_MIN_REQUESTS = 16
+# A peer router replica silent for this long no longer counts (observe_peer_work).
+PEER_FORGET_SECONDS = 30.0
 # The mean of this router's last this-many prefill charges (a plain mean until then):
 # Router._unseen prices another router's waiting request at it.
 TYPICAL_WORK_REQUESTS = 50
@@ -108,6 +111,12 @@ class Router:
         # requests that ended before their prefill may have (``_detached_now``).
         self._unseen_work = _DrainingWork()
         self._detached = _DrainingWork()
+        # Other router replicas' own queued work, as they last reported it (observe_peer_work):
+        # per peer (work per endpoint address, clock time), and their sum as of the last report.
+        self._peer_reports: dict[str, tuple[dict[str, float], float]] = {}
+        self._peer_work = _DrainingWork()
+        # This replica's name among its peers (the ``router`` label of its exported work).
+        self.instance = uuid.uuid4().hex[:12]
         # Prefill work done and time spent, as the endpoints report it (decaying sums).
         self._rate_work = self._rate_seconds = self._rate_prefills = 0.0
         # A typical prefill charge of this router's, to price other routers' requests with.
@@ -152,7 +161,7 @@ class Router:
         self._work_at = carried(self._work_at, 0.0, np.float64)
         self._reported_load = carried(self._reported_load, np.nan, np.float64)
         self._saturated = carried(self._saturated, False, bool)
-        for draining in (self._unseen_work, self._detached):
+        for draining in (self._unseen_work, self._detached, self._peer_work):
             draining.amount = carried(draining.amount, 0.0, np.float64)
             draining.since = carried(draining.since, 0.0, np.float64)
         self._weight = np.array([float(e.weight) for e in endpoints], dtype=np.float64)
@@ -233,6 +242,7 @@ class Router:
         # start times: when nothing is left of them moves with it.
         self._unseen_work.rate_changed(rate)
         self._detached.rate_changed(rate)
+        self._peer_work.rate_changed(rate)
 
     def _learn_traffic_share(self, i: int, finished: float) -> None:
         """This router's share of the requests the endpoints serve: what it sent them against
@@ -258,6 +268,44 @@ class Router:
         if margin != self.cost.cold_margin:
             self.cost = dataclasses.replace(self.cost, cold_margin=margin)
             self.scheduler.cost = self.cost
+
+    def own_queued_work(self) -> dict[str, float]:
+        """This router's own charges per endpoint now (what it tells its peers): not other
+        routers' work, which they count themselves."""
+        now = self.clock()
+        self._drain_all(now)
+        every = np.arange(len(self._addresses))
+        own = self._work + self._detached_now(every, now)
+        return dict(zip(self._addresses, own.tolist(), strict=True))
+
+    def observe_peer_work(self, peer: str, work: Mapping[str, float]) -> None:
+        """Another router replica's own queued work per endpoint, as it reports it now. Each
+        report drains at the prefill throughput from its arrival; the sum over peers counts
+        as queued work (in place of the estimate from waiting counts, where larger). A peer
+        not heard from for PEER_FORGET_SECONDS is dropped (its work has drained by then
+        anyway, unless the throughput is tiny)."""
+        if peer == self.instance:
+            return
+        now = self.clock()
+        self._peer_reports[peer] = (dict(work), now)
+        for stale in [
+            p for p, (_, at) in self._peer_reports.items() if now - at > PEER_FORGET_SECONDS
+        ]:
+            del self._peer_reports[stale]
+        rate = self.cost.drain_per_second
+        total = np.zeros(len(self._addresses))
+        for report, at in self._peer_reports.values():
+            for address, amount in report.items():
+                i = self._position.get(address)
+                if i is not None:
+                    total[i] += max(0.0, amount - rate * (now - at)) if rate > 0 else amount
+        for i in range(len(self._addresses)):
+            self._peer_work.set(i, float(total[i]), now, rate)
+
+    def peers(self) -> list[str]:
+        """The peers whose queued work counts (heard from within PEER_FORGET_SECONDS)."""
+        now = self.clock()
+        return [p for p, (_, at) in self._peer_reports.items() if now - at <= PEER_FORGET_SECONDS]
 
     @property
     def traffic_share(self) -> float:
@@ -304,7 +352,7 @@ class Router:
         now = self.clock()
         self._drain_all(now)
         every = np.arange(len(self._addresses))
-        queued = self._work + self._detached_now(every, now) + self._unseen(every, now)
+        queued = self._work + self._detached_now(every, now) + self._others(every, now)
         return dict(zip(self._addresses, queued.tolist(), strict=True))
 
     def index_stats(self) -> IndexStats:
@@ -328,6 +376,14 @@ class Router:
             # -> 0.17 in full, 0.22 above the median).
             left = np.maximum(0.0, left - float(np.median(left)))
         return left
+
+    def _others(self, positions: np.ndarray, now: float) -> np.ndarray | float:
+        """Other routers' queued work: what peers report, or the waiting-count estimate
+        where that is larger (it also sees clients that bypass the routers)."""
+        unseen = self._unseen(positions, now)
+        if not self._peer_reports:
+            return unseen
+        return np.maximum(unseen, self._peer_work.left(positions, now, self.cost.drain_per_second))
 
     def _drain_all(self, now: float) -> None:
         rate = self.cost.drain_per_second
@@ -408,7 +464,7 @@ class Router:
             load=np.fmax(self._in_flight[positions], self._reported_load[positions]),
             work=self._work[positions]
             + self._detached_now(positions, now)
-            + self._unseen(positions, now),
+            + self._others(positions, now),
             matched=self.index.match_positions(hashes, positions),
             weight=self._weight[positions],
             address_hash=self._address_hash[positions],

@@ -35,6 +35,7 @@ from .config import Config, ConfigError, EndpointConfig, load_config, parse_assi
 from .discovery import source_from_config
 from .endpoints import HealthChecker
 from .metrics import MULTIPROC_ENV, RouterMetrics
+from .peers import PeerReader
 from .router import Router
 from .server import ExternalProcessorService, Outcome
 from .signals import EndpointSignals, MetricsScraper
@@ -110,6 +111,7 @@ class RouterService:
             config.signals.interval_seconds,
             config.signals.timeout_seconds,
         )
+        self.peers = PeerReader(config.peers, self.router.observe_peer_work)
         self.serve_admin = serve_admin and bool(config.server.admin_listen)
         self.server: grpc.aio.Server | None = None
         self.admin_runner: Any = None
@@ -182,6 +184,8 @@ class RouterService:
         self.checker.start()
         if self.config.signals.enabled:
             self.scraper.start()
+        if self.config.peers.enabled:
+            self.peers.start()
         if self.config.discovery.kind != "static":
             source = source_from_config(self.config.discovery, self.config.endpoints)
             self._discovery = asyncio.create_task(source.run(self._on_endpoints), name="discovery")
@@ -227,6 +231,7 @@ class RouterService:
             await asyncio.sleep(notice)
         await self.checker.stop()
         await self.scraper.stop()
+        await self.peers.stop()
         for task in (self._refresher, self._discovery):
             if task is not None:
                 task.cancel()

@@ -559,3 +559,29 @@ def test_with_a_minor_share_a_cold_start_stays_on_the_pick_other_routers_make():
 
 def conversation_tokens(request) -> float:
     return len(request.prompt) / RoutingConfig().bytes_per_token
+
+
+def test_other_replicas_reported_work_counts_and_drains():
+    clock = Clock()
+    router = Router(RoutingConfig(), ENDPOINTS, clock=clock)
+    busy = ENDPOINTS[0].address
+    router.observe_peer_work(router.instance, {busy: 1e9})  # its own figures: skipped
+    assert router.queued_work()[busy] == 0 and router.peers() == []
+    router.observe_peer_work("peer-a", {busy: 120_000.0, "10.9.9.9:8000": 5.0})  # unknown: ignored
+    router.observe_peer_work("peer-b", {busy: 60_000.0})
+    assert router.peers() == ["peer-a", "peer-b"]
+    assert router.queued_work()[busy] == pytest.approx(180_000)
+    assert router.own_queued_work()[busy] == 0  # what it tells its peers: its own only
+    clock.now += 1.0  # drains at the prefill throughput (60,000/s), from each report
+    assert router.queued_work()[busy] == pytest.approx(120_000)
+    # A new conversation whose rendezvous pick is the busy endpoint goes elsewhere now.
+    for i in range(100):
+        conversation = chat(f"a new conversation {i} " * 30)
+        if Router(RoutingConfig(), ENDPOINTS).route(conversation).endpoint == busy:
+            assert router.route(conversation).endpoint != busy
+            break
+    else:
+        pytest.fail("no conversation hashed to the busy endpoint")
+    clock.now += 40.0  # a silent peer stops counting
+    router.observe_peer_work("peer-b", {busy: 0.0})
+    assert router.peers() == ["peer-b"]

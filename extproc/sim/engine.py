@@ -32,6 +32,8 @@ class SimParams:
     # Check every decision against the replicas' true caches (RunResult.audit); costs a
     # cache lookup per replica per request.
     audit: bool = False
+    # Ours' K router replicas read each other's queued work (config ``peers``).
+    share_queues: bool = False
 
 
 @dataclass(slots=True)
@@ -82,6 +84,7 @@ def simulate(
         routing=params.routing,
         kv_block_tokens=params.cost.kv_block_tokens,
         router_cost=params.router_cost,
+        share_queues=params.share_queues,
     )
     chunk_tokens = requests[0].chunk_tokens if requests else 16
     router = make_policy(policy, ctx, params.router_replicas, chunk_tokens)

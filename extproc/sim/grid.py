@@ -73,7 +73,11 @@ def _ideal(name: str, trace: str | None, block_tokens: int) -> float:
 
 
 def run_one(
-    cell: Cell, policy: str, trace: str | None, routing: dict[str, Any]
+    cell: Cell,
+    policy: str,
+    trace: str | None,
+    routing: dict[str, Any],
+    share_queues: bool = False,
 ) -> tuple[Cell, str, dict[str, Any]]:
     """One simulation (runs in a worker process; everything it takes is picklable)."""
     cost = CostModel()
@@ -83,6 +87,7 @@ def run_one(
         router_replicas=cell.router_replicas,
         cost=cost,
         routing=RoutingConfig(**routing),
+        share_queues=share_queues,
     )
     workload = _workload(cell.workload, trace)
     result = simulate(workload, policy, params)
@@ -96,6 +101,7 @@ def run_grid(
     routing: dict[str, Any],
     jobs: int,
     done: Callable[[Cell, str, dict[str, Any]], None] | None = None,
+    share_queues: bool = False,
 ) -> dict[Cell, dict[str, dict[str, Any]]]:
     """Peers and bounds run at K=1 only (their K sweep is `simulate --sweep-k`'s job)."""
     work = [
@@ -110,7 +116,7 @@ def run_grid(
     )
     out: dict[Cell, dict[str, dict[str, Any]]] = {}
     with ProcessPoolExecutor(max_workers=max(1, jobs)) as pool:
-        futures = [pool.submit(run_one, c, p, trace, routing) for c, p in work]
+        futures = [pool.submit(run_one, c, p, trace, routing, share_queues) for c, p in work]
         for future in futures:
             cell, policy, summary = future.result()
             out.setdefault(cell, {})[policy] = summary

@@ -22,7 +22,7 @@ from typing import Any, Protocol
 
 from xxhash import xxh3_64_intdigest
 
-from ..config import EndpointConfig, RoutingConfig, SignalsConfig
+from ..config import EndpointConfig, PeersConfig, RoutingConfig, SignalsConfig
 from ..prompt import LLMRequest
 from ..router import Router
 from ..scheduler import CostModel as RouterCostModel
@@ -51,6 +51,8 @@ class PolicyContext:
     router_cost: RouterCostModel | None = None
     # Simulated time in seconds, kept current by the engine: the clock ``ours`` runs on.
     now: float = 0.0
+    # K router replicas of ours read each other's queued work (config ``peers``).
+    share_queues: bool = False
 
     @property
     def n(self) -> int:
@@ -375,6 +377,10 @@ class OursPolicy:
         self.signals_every = SignalsConfig().interval_seconds
         self.next_scrape = 0.0
         self.prefill_counters: dict[str, EndpointSignals] = {}
+        # The other router replicas of the group (RouterGroup), when they share queued work.
+        self.peers: list[OursPolicy] = []
+        self.peer_every = PeersConfig().interval_seconds
+        self.next_peer_poll = 0.0
 
     def _scrape(self, now: float) -> None:
         """What signals.py reads from each model server's /metrics: running and waiting
@@ -402,6 +408,11 @@ class OursPolicy:
     def route(self, request: SimRequest, now: float) -> tuple[int, Any]:
         if now >= self.next_scrape:
             self._scrape(now)
+        if self.peers and now >= self.next_peer_poll:
+            # What peers.py reads from each other replica's /metrics, every interval.
+            for peer in self.peers:
+                self.router.observe_peer_work(peer.router.instance, peer.router.own_queued_work())
+            self.next_peer_poll = now + self.peer_every
         decision = self.router.route(self.prompts.request(request))
         self.rules[decision.rule] = self.rules.get(decision.rule, 0) + 1
         assert decision.endpoint is not None
@@ -468,7 +479,11 @@ def make_policy(
         return RouterGroup([BOUNDS[name](ctx)], ctx.rng)
     else:
         raise ValueError(f"unknown policy {name!r}; choose from {', '.join(ALL_POLICIES)}")
-    return RouterGroup([build() for _ in range(max(1, router_replicas))], ctx.rng)
+    group = RouterGroup([build() for _ in range(max(1, router_replicas))], ctx.rng)
+    if name == "ours" and ctx.share_queues:
+        for instance in group.instances:
+            instance.peers = [p for p in group.instances if p is not instance]
+    return group
 
 
 def ideal_hit_tokens(requests: Sequence[SimRequest], block_tokens: int) -> int:

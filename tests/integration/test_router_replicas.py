@@ -1,18 +1,25 @@
-"""Router replicas without shared state, each behind its own real Envoy.
+"""Several router replicas, each behind its own real Envoy.
 
-Each router measures its share of the traffic from the replicas' own prefill counters (the
-fake replica exports vLLM's) and, under a half, widens its cold-start margin so that its
-placements of new conversations agree with the other routers' (Router._learn_traffic_share).
+Without shared state, each router measures its share of the traffic from the replicas' own
+prefill counters (the fake replica exports vLLM's) and, under a half, widens its cold-start
+margin so that its placements of new conversations agree with the other routers'
+(Router._learn_traffic_share). With ``peers`` set, each also counts the others' queued work.
 """
 
 from __future__ import annotations
 
+import http.client
 import time
 
-from extproc.stack import Stack, router_args_for
+from prometheus_client.parser import text_string_to_metric_families
+
+from extproc.config import EndpointConfig, RoutingConfig
+from extproc.prompt import parse_request
+from extproc.router import Router
+from extproc.stack import LOOPBACK, Stack, free_port, router_args_for
 
 from .conftest import chat_body, request
-from .test_observability import samples
+from .test_observability import get, samples
 
 FAST = ["--prefill-ms-per-token", "0.0001", "--decode-ms-per-token", "0.1"]
 ROUTER_ARGS = ["--set", "signals.interval_seconds=0.2", "--set", "health.enabled=false"]
@@ -77,3 +84,78 @@ def test_two_routers_each_see_half_the_traffic_and_widen_their_cold_margin(tmp_p
         for share, margin in readings:
             # shared_cold_margin (1.0) from a half of the traffic down; 0.5 alone.
             assert 0.35 < share < 0.65 and margin > 0.85, readings
+
+
+def test_peers_count_each_others_queued_work(tmp_path):
+    """Router A has a long stream waiting for its prefill on one replica; router B, told A's
+    admin address (peers), sends new conversations elsewhere, even those whose rendezvous
+    pick is that replica. Without peers B would not know (its own queue there is empty)."""
+    with Stack(workdir=tmp_path) as stack:
+        slow_prefill = ["--base-ttft-ms", "2500", "--decode-ms-per-token", "1"]
+        replicas = stack.start_replicas(2, slow_prefill)
+        admin = {name: free_port() for name in ("router-a", "router-b")}
+        stack.router_admin_ports.update(admin)
+        envoy_ports = {}
+        for name, other in (("router-a", "router-b"), ("router-b", "router-a")):
+            args = [
+                *ROUTER_ARGS,
+                *router_args_for("override-host"),
+                # A slow drain keeps A's charge for the whole test, whatever the machine.
+                *["--set", "routing.prefill_tokens_per_second=50"],
+                *["--set", "routing.learn_prefill_rate=false"],
+                *["--set", f"peers.addresses={LOOPBACK}:{admin[other]}"],
+                *["--set", "peers.interval_seconds=0.2"],
+            ]
+            address, _ = stack.start_router(replicas, name=name, extra_args=args, ready=True)
+            envoy_ports[name], _ = stack.start_proxy(
+                "override-host", replicas, address, name=f"envoy-{name}"
+            )
+        conn = http.client.HTTPConnection(LOOPBACK, envoy_ports["router-a"], timeout=30)
+        try:
+            long_stream = chat_body("a long document to summarise " * 60, stream=True)
+            conn.request("POST", "/v1/chat/completions", long_stream, JSON)
+            stream = conn.getresponse()  # headers now; the prefill takes 2.5 s
+            busy = _decided_endpoint(admin["router-a"])
+            (idle,) = set(replicas) - {busy}
+            # B hears of A's work (A's gauge refresh, then B's next read), well within 2.5 s.
+            deadline = time.monotonic() + 10
+            while _queued_work(admin["router-b"], busy) <= 0:
+                assert time.monotonic() < deadline, "router B never counted A's work"
+                time.sleep(0.05)
+            alone = Router(RoutingConfig(), [EndpointConfig(address=a) for a in replicas])
+            sent = 0
+            for i in range(40):
+                body = chat_body(f"new conversation {i} " * 5)
+                if alone.route(parse_request("chat", body)).endpoint != busy:
+                    continue  # only conversations whose rendezvous pick is the busy replica
+                response = request(envoy_ports["router-b"], body)
+                assert response.status == 200
+                assert response.headers["x-gateway-destination-endpoint-served"] == idle
+                sent += 1
+                if sent == 3:
+                    break
+            assert sent == 3
+            assert b"data: [DONE]" in stream.read()
+        finally:
+            conn.close()
+
+
+JSON = {"content-type": "application/json"}
+
+
+def _decided_endpoint(admin_port: int) -> str:
+    url = f"http://{LOOPBACK}:{admin_port}/metrics"
+    deadline = time.monotonic() + 10
+    while True:
+        _, text = get(url)
+        for family in text_string_to_metric_families(text.decode()):
+            for s in family.samples:
+                if s.name == "prefix_router_endpoint_decisions_total" and s.value >= 1:
+                    return s.labels["endpoint"]
+        assert time.monotonic() < deadline, "router A made no decision"
+        time.sleep(0.05)
+
+
+def _queued_work(admin_port: int, endpoint: str) -> float:
+    metrics = samples(admin_port)
+    return metrics.get(("prefix_router_endpoint_queued_work", (("endpoint", endpoint),)), 0.0)

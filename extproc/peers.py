@@ -1,0 +1,86 @@
+"""Read the other router replicas' own queued work from their admin /metrics.
+
+Each replica exports the prefill work it sent each endpoint and still counts as queued
+(``prefix_router_own_queued_work{router, endpoint}``, refreshed every second). Reading the
+others' makes a long prefill that one replica sent visible to all of them within about
+``interval_seconds`` + 1 s; without it each sees only its own charges and the endpoints'
+waiting counts (docs/benchmarks.md: K=4 Mooncake p99 several times K=1's). Peers come from a
+static list of admin addresses and/or a DNS name (a headless Service) resolved every round;
+this replica's own figures (same ``router`` label) are skipped, its sibling worker processes'
+are not. A peer that does not answer is skipped until it does; its last report drains away.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+import aiohttp
+from prometheus_client.parser import text_string_to_metric_families
+
+from .config import PeersConfig
+from .discovery import getaddrinfo_resolver
+from .poller import EndpointPoller
+
+log = logging.getLogger(__name__)
+
+OWN_WORK_METRIC = "prefix_router_own_queued_work"
+
+PeerWork = dict[str, dict[str, float]]  # router instance -> endpoint address -> work
+
+
+def parse_peer_work(text: str) -> PeerWork:
+    """Every router instance's own queued work per endpoint in one /metrics page."""
+    out: PeerWork = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name != OWN_WORK_METRIC:
+                continue
+            router, endpoint = sample.labels.get("router"), sample.labels.get("endpoint")
+            if router and endpoint:
+                out.setdefault(router, {})[endpoint] = float(sample.value)
+    return out
+
+
+class PeerReader(EndpointPoller[PeerWork | None]):
+    task_name = "peer-work"
+
+    def __init__(self, config: PeersConfig, on_work: Callable[[str, dict[str, float]], None]):
+        super().__init__(lambda: list(self._addresses_now), config.interval_seconds,
+                         config.timeout_seconds)  # fmt: skip
+        self.config = config
+        self._on_work = on_work
+        self._addresses_now: list[str] = list(config.addresses)
+        self._answering: dict[str, bool] = {}
+
+    async def poll_all(self, session: aiohttp.ClientSession) -> None:
+        addresses = list(self.config.addresses)
+        if self.config.dns_name is not None and self.config.dns_port is not None:
+            try:
+                addresses += await getaddrinfo_resolver(self.config.dns_name, self.config.dns_port)
+            except OSError as exc:
+                log.warning("peers: cannot resolve %s: %s", self.config.dns_name, exc)
+        self._addresses_now = sorted(set(addresses))
+        await super().poll_all(session)
+
+    async def poll(self, session: aiohttp.ClientSession, address: str) -> PeerWork | None:
+        try:
+            async with session.get(f"http://{address}/metrics") as response:
+                if response.status != 200:
+                    return None
+                return parse_peer_work(await response.text())
+        except (aiohttp.ClientError, TimeoutError, OSError, ValueError):
+            return None
+
+    def record(self, address: str, result: PeerWork | None) -> None:
+        answering = result is not None
+        if self._answering.get(address) != answering:
+            log.log(
+                logging.INFO if answering else logging.WARNING,
+                "peer router %s %s",
+                address,
+                "answers" if answering else "does not answer; its queued work fades out",
+            )
+            self._answering[address] = answering
+        for router, work in (result or {}).items():
+            self._on_work(router, work)
