@@ -69,8 +69,14 @@ def all_documents() -> list[tuple[Path, dict[str, Any]]]:
     return [(path, doc) for path in manifest_files() for doc in documents(path)]
 
 
-def find(kind: str, directory: str = "kubernetes") -> dict[str, Any]:
-    (found,) = [d for p, d in all_documents() if d["kind"] == kind and p.parent.name == directory]
+def find(kind: str, directory: str = "kubernetes", name: str | None = None) -> dict[str, Any]:
+    (found,) = [
+        d
+        for p, d in all_documents()
+        if d["kind"] == kind
+        and p.parent.name == directory
+        and name in (None, d["metadata"]["name"])
+    ]
     return found
 
 
@@ -210,6 +216,16 @@ def test_router_configmap_is_a_valid_router_config(tmp_path: Path) -> None:
     pod = deployment["spec"]["template"]["spec"]
     (volume,) = [v for v in pod["volumes"] if "configMap" in v]
     assert volume["configMap"]["name"] == configmap["metadata"]["name"]
+    # Peers: the headless Service resolves to every router pod, at the admin port.
+    peers = find("Service", name=config.peers.dns_name)
+    assert peers["spec"]["clusterIP"] == "None"
+    labels = deployment["spec"]["template"]["metadata"]["labels"]
+    assert peers["spec"]["selector"].items() <= labels.items()
+    (port,) = peers["spec"]["ports"]
+    (container,) = pod["containers"]
+    admin = {p["name"]: p["containerPort"] for p in container["ports"]}[port["targetPort"]]
+    assert port["port"] == config.peers.dns_port == admin
+    assert config.server.admin_listen.endswith(f":{admin}")
     (container,) = pod["containers"]
     mount = next(m for m in container["volumeMounts"] if m["name"] == volume["name"])
     assert f"{mount['mountPath']}/config.yaml" in container["args"]
@@ -236,7 +252,7 @@ def test_deployment_probes_resources_and_references() -> None:
     assert spec["securityContext"]["runAsNonRoot"] is True
     assert container["securityContext"]["readOnlyRootFilesystem"] is True
 
-    service = find("Service")
+    service = find("Service", name="prefix-router")
     assert service["spec"]["selector"].items() <= labels.items()
     (port,) = service["spec"]["ports"]
     assert port["port"] == 9002 and port["targetPort"] in ports
@@ -293,7 +309,7 @@ def test_istio_envoyfilter_matches_the_tested_envoy_config() -> None:
     }
     assert cluster["patch"]["value"]["load_balancing_policy"] == reference_override_host()
     # The router Service really is prefix-router:9002 in namespace llm.
-    assert find("Service")["metadata"]["name"] == "prefix-router"
+    assert find("Service", name="prefix-router")["metadata"]["name"] == "prefix-router"
     assert (
         yaml.safe_load((DEPLOY / "kubernetes" / "kustomization.yaml").read_text())["namespace"]
         == "llm"
@@ -312,7 +328,7 @@ def test_envoy_gateway_resources_fit_together() -> None:
     (target,) = policy["spec"]["targetRefs"]
     assert (target["kind"], target["name"]) == ("HTTPRoute", route["metadata"]["name"])
     (ext_proc,) = policy["spec"]["extProc"]
-    service = find("Service")
+    service = find("Service", name="prefix-router")
     assert ext_proc["backendRefs"] == [
         {"name": service["metadata"]["name"], "port": service["spec"]["ports"][0]["port"]}
     ]
@@ -328,7 +344,7 @@ def test_envoy_gateway_resources_fit_together() -> None:
 
 def test_gaie_pool_uses_the_router_as_endpoint_picker() -> None:
     pool = find("InferencePool", "gaie")
-    service = find("Service")
+    service = find("Service", name="prefix-router")
     picker = pool["spec"]["endpointPickerRef"]
     assert picker["name"] == service["metadata"]["name"]
     assert picker["port"]["number"] == service["spec"]["ports"][0]["port"]
