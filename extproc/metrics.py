@@ -103,6 +103,7 @@ class RouterMetrics:
             ("router", "endpoint"),
             "liveall",
         )
+        self._own_work_exported: set[str] = set()
         self.peers = gauge(
             "prefix_router_peers",
             "Other router replicas whose queued work this one counts (heard from recently)",
@@ -185,8 +186,16 @@ class RouterMetrics:
         for address, work in router.queued_work().items():
             self.queued_work.labels(address).set(work)
         self.prefill_rate.set(router.prefill_rate)
-        for address, work in router.own_queued_work().items():
+        own = router.own_queued_work()
+        for address, work in own.items():
             self.own_queued_work.labels(router.instance, address).set(work)
+        # A removed endpoint's last figure must not stay exported: peers would count it,
+        # undrained, for as long as they read it (e.g. after the address comes back).
+        for address in self._own_work_exported - own.keys():
+            # Zero first: with --workers the value lives on in the worker's mmap file.
+            self.own_queued_work.labels(router.instance, address).set(0.0)
+            self.own_queued_work.remove(router.instance, address)
+        self._own_work_exported = set(own)
         self.peers.set(len(router.peers()))
         self.traffic_share.set(router.traffic_share)
         self.cold_margin.set(router.cold_margin)

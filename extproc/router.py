@@ -70,6 +70,11 @@ class _DrainingWork:
         self.amount[i], self.since[i] = amount, now
         self.until = max(self.until, now + amount / rate if rate > 0 else math.inf)
 
+    def set_all(self, amounts: np.ndarray, now: float, rate: float) -> None:
+        self.amount[:], self.since[:] = amounts, now
+        peak = float(amounts.max(initial=0.0))
+        self.until = now + peak / rate if rate > 0 else (math.inf if peak > 0 else now)
+
     def rate_changed(self, rate: float) -> None:
         """What is left drains at ``rate`` from each start time: the end time moves."""
         if len(self.amount):
@@ -299,8 +304,7 @@ class Router:
                 i = self._position.get(address)
                 if i is not None:
                     total[i] += max(0.0, amount - rate * (now - at)) if rate > 0 else amount
-        for i in range(len(self._addresses)):
-            self._peer_work.set(i, float(total[i]), now, rate)
+        self._peer_work.set_all(total, now, rate)
 
     def peers(self) -> list[str]:
         """The peers whose queued work counts (heard from within PEER_FORGET_SECONDS)."""

@@ -46,3 +46,17 @@ def test_peers_config_is_validated_with_the_field_named(tmp_path):
         path.write_text(yaml.safe_dump({"peers": bad}))
         with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
             load_config(path)
+
+
+def test_a_removed_endpoint_is_no_longer_exported_to_peers():
+    registry = CollectorRegistry()
+    metrics = RouterMetrics(registry)
+    router = Router(RoutingConfig(), ENDPOINTS, clock=lambda: 0.0)
+    metrics.refresh(router)
+    assert set(parse_peer_work(generate_latest(registry).decode())[router.instance]) == {
+        e.address for e in ENDPOINTS
+    }
+    router.set_endpoints(ENDPOINTS[:2])
+    metrics.refresh(router)
+    exported = parse_peer_work(generate_latest(registry).decode())[router.instance]
+    assert set(exported) == {e.address for e in ENDPOINTS[:2]}
