@@ -159,3 +159,27 @@ def _decided_endpoint(admin_port: int) -> str:
 def _queued_work(admin_port: int, endpoint: str) -> float:
     metrics = samples(admin_port)
     return metrics.get(("prefix_router_endpoint_queued_work", (("endpoint", endpoint),)), 0.0)
+
+
+def test_sibling_workers_read_each_others_work_through_their_shared_admin_port(tmp_path):
+    """--workers 2 with peers pointing at the pod's own admin port: each worker exports its
+    work under its own ``router`` label, skips its own and counts its sibling's."""
+    with Stack(workdir=tmp_path) as stack:
+        replicas = stack.start_replicas(2, FAST)
+        admin = free_port()
+        stack.router_admin_ports["router"] = admin
+        args = [*ROUTER_ARGS, "--set", f"peers.addresses={LOOPBACK}:{admin}"]
+        stack.start_router(replicas, workers=2, extra_args=args, ready=True)
+        deadline = time.monotonic() + 15
+        while True:
+            metrics = samples(admin)
+            peers = [v for (name, _), v in metrics.items() if name == "prefix_router_peers"]
+            routers = {
+                dict(labels)["router"]
+                for (name, labels), _ in metrics.items()
+                if name == "prefix_router_own_queued_work"
+            }
+            if peers == [1.0, 1.0] and len(routers) == 2:
+                break
+            assert time.monotonic() < deadline, (peers, routers)
+            time.sleep(0.2)
