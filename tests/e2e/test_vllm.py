@@ -20,7 +20,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from extproc import bench_live, lab, signals
-from extproc.stack import LOOPBACK, Stack
+from extproc.stack import LOOPBACK, Stack, free_port
 from extproc.workload import ChatWorkload
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.timeout(1500)]
@@ -196,3 +196,59 @@ def test_a_streamed_vllm_request_stays_charged_past_its_headers(
         finally:
             conn.close()
         assert router.alive(), router.log_tail()
+
+
+def test_two_router_replicas_measure_their_share_of_vllms_traffic(
+    vllm_endpoints: list[str],
+) -> None:
+    """Two routers, each behind its own Envoy, peers of each other: each measures about half
+    of the requests vLLM reports finishing, raises its cold-start margin, and hears its peer."""
+    with Stack() as stack:
+        admin = {name: free_port() for name in ("router-a", "router-b")}
+        stack.router_admin_ports.update(admin)
+        ports = []
+        for name, other in (("router-a", "router-b"), ("router-b", "router-a")):
+            address, _ = stack.start_router(
+                vllm_endpoints,
+                name=name,
+                ready=True,
+                extra_args=[
+                    *["--set", "signals.interval_seconds=0.5"],
+                    *["--set", f"peers.addresses={LOOPBACK}:{admin[other]}"],
+                ],
+            )
+            port, _ = stack.start_proxy(
+                "override-host", vllm_endpoints, address, name=f"envoy-{name}"
+            )
+            ports.append(port)
+        for i in range(24):  # one at a time: what finished equals what was sent
+            reply = _chat(f"{LOOPBACK}:{ports[i % 2]}", f"question {i}: name a colour.")
+            assert reply["choices"], reply
+        deadline = time.monotonic() + 30
+        while True:
+            readings = []
+            for port in admin.values():
+                metrics = {
+                    s.name: s.value
+                    for f in text_string_to_metric_families(
+                        _get(f"http://{LOOPBACK}:{port}/metrics")
+                    )
+                    for s in f.samples
+                    if s.name
+                    in (
+                        "prefix_router_traffic_share",
+                        "prefix_router_cold_margin",
+                        "prefix_router_peers",
+                    )
+                }
+                readings.append(metrics)
+            if all(
+                0.3 < r.get("prefix_router_traffic_share", 1) < 0.7
+                and r.get("prefix_router_cold_margin", 0) > 0.85
+                and r.get("prefix_router_peers") == 1
+                for r in readings
+            ):
+                break
+            assert time.monotonic() < deadline, readings
+            time.sleep(0.5)
+        print(f"two routers on vLLM: {readings}")
