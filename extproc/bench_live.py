@@ -65,8 +65,11 @@ from .workload import (
 )
 
 RUNS = ("round_robin", "prefix_buffered", "prefix_duplex", "sglang", "vllm_router")
-# Optional variant: our router placing new sessions by their first blocks, not the first turn.
-EXTRA_RUNS = ("prefix_blocks",)
+# Optional variants: our router placing new sessions by their first blocks, not the first turn;
+# two router replicas behind one Envoy (its ext_proc cluster balances each request's stream
+# over them), on their own or reading each other's queued work (config ``peers``).
+EXTRA_RUNS = ("prefix_blocks", "prefix_k2", "prefix_k2_peers")
+TWO_ROUTER_RUNS = ("prefix_k2", "prefix_k2_peers")
 WORKLOADS = ("chat", "groups")
 SGLANG_ROUTER = "sglang-router==0.3.2"
 VLLM_ROUTER = "vllm-router==0.1.17"
@@ -484,7 +487,34 @@ def start_target(
     """Start what ``run`` needs in front of the servers; yields a Target; stops it after."""
     started: list[ManagedProcess] = []
     try:
-        if run in ("round_robin", "prefix_buffered", "prefix_duplex", "prefix_blocks"):
+        if run in TWO_ROUTER_RUNS:
+            admin = [free_port(), free_port()]
+            addresses = []
+            for k in range(2):
+                name = f"router-{run}-{k + 1}"
+                stack.router_admin_ports[name] = admin[k]
+                peers = ["--set", f"peers.addresses={LOOPBACK}:{admin[1 - k]}"]
+                address, router = stack.start_router(
+                    servers,
+                    extra_args=[*router_args, *(peers if run == "prefix_k2_peers" else [])],
+                    name=name,
+                )
+                started.append(router)
+                addresses.append(address)
+            port = free_port()
+            options = envoyconf.EnvoyOptions(
+                mode="override-host",
+                endpoints=list(servers),
+                listen=f"{LOOPBACK}:{port}",
+                admin=f"{LOOPBACK}:{free_port()}",
+                router=",".join(addresses),
+            )
+            _, envoy = stack.start_envoy(options, name=f"envoy-{run}")
+            started.append(envoy)
+            assert envoy.process is not None
+            # Two router processes: no single process tree to charge CPU to.
+            yield Target(run, f"http://{LOOPBACK}:{port}", None, envoy.process.pid)
+        elif run in ("round_robin", "prefix_buffered", "prefix_duplex", "prefix_blocks"):
             body_mode = "full_duplex_streamed" if run == "prefix_duplex" else "buffered"
             if run == "prefix_blocks":
                 router_args = [*router_args, "--set", "routing.cold_start_key=blocks"]
@@ -640,7 +670,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--runs",
         default=",".join(RUNS),
-        help=f"comma list of {','.join(RUNS + EXTRA_RUNS)} (default: all but {EXTRA_RUNS[0]})",
+        help=f"comma list of {','.join(RUNS + EXTRA_RUNS)} (default: {','.join(RUNS)})",
     )
     parser.add_argument(
         "--workloads", default=",".join(WORKLOADS), help=f"comma list of {','.join(WORKLOADS)}"

@@ -13,6 +13,7 @@ import time
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from extproc import bench_live
 from extproc.config import EndpointConfig, RoutingConfig
 from extproc.prompt import parse_request
 from extproc.router import Router
@@ -183,3 +184,36 @@ def test_sibling_workers_read_each_others_work_through_their_shared_admin_port(t
                 break
             assert time.monotonic() < deadline, (peers, routers)
             time.sleep(0.2)
+
+
+def test_one_envoy_spreads_requests_over_two_router_replicas(tmp_path):
+    """`bench live`'s two-router runs: one Envoy whose ext_proc cluster lists both routers
+    balances each request's processing stream over them, so each router sees part of the
+    traffic (and, with peers, hears the other)."""
+    with Stack(workdir=tmp_path) as stack:
+        replicas = stack.start_replicas(2, FAST)
+        with bench_live.start_target(
+            stack, "prefix_k2_peers", replicas, tmp_path, ROUTER_ARGS
+        ) as target:
+            port = int(target.url.rsplit(":", 1)[1])
+            for i in range(20):
+                assert request(port, chat_body(f"conversation {i}")).status == 200
+            admins = [p for n, p in stack.router_admin_ports.items() if "prefix_k2" in n]
+            assert len(admins) == 2
+            deadline = time.monotonic() + 10
+            while True:
+                metrics = [samples(a) for a in admins]
+                decided = [
+                    sum(
+                        v
+                        for (n, _), v in m.items()
+                        if n == "prefix_router_endpoint_decisions_total"
+                    )
+                    for m in metrics
+                ]
+                peers = [m.get(("prefix_router_peers", ())) for m in metrics]
+                if sum(decided) == 20 and peers == [1.0, 1.0]:
+                    break
+                assert time.monotonic() < deadline, (decided, peers)
+                time.sleep(0.2)
+            assert min(decided) >= 5, decided  # round robin over the two: about 10 each
