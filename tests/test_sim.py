@@ -4,13 +4,20 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import random
 
 import pytest
 
 from extproc.cli import main
 from extproc.sim.cache import ChunkLRU
 from extproc.sim.engine import SimParams, simulate
-from extproc.sim.policies import ALL_POLICIES, PromptBytes, ideal_hit_tokens
+from extproc.sim.policies import (
+    ALL_POLICIES,
+    PolicyContext,
+    PromptBytes,
+    ideal_hit_tokens,
+    make_policy,
+)
 from extproc.sim.replica import CostModel, Replica
 from extproc.sim.report import summarize
 from extproc.sim.workloads import PRESETS, SimRequest, Workload, load_mooncake
@@ -107,6 +114,24 @@ def test_the_audit_checks_each_decision_against_the_true_caches(small_chat: Work
     assert random.off_best_holder > 0 and random.tokens_lost > 0
     oracle = simulate(small_chat, "oracle", audited).audit["oracle"]
     assert oracle.off_best_holder == 0 and oracle.tokens_lost == 0
+
+
+def test_shared_queues_wire_each_router_replica_to_the_others(small_chat: Workload) -> None:
+    for share in (False, True):
+        ctx = PolicyContext(
+            [Replica(i, 20_000, CostModel()) for i in range(4)],
+            random.Random(0),
+            20_000,
+            share_queues=share,
+        )
+        group = make_policy("ours", ctx, 3, 16)
+        for request in small_chat.requests[:30]:
+            ctx.now = request.arrival_s
+            group.route(request, request.arrival_s)
+        for instance in group.instances:
+            heard = instance.router.peers()
+            expected = {p.router.instance for p in group.instances if p is not instance}
+            assert set(heard) == (expected if share else set())
 
 
 def test_prefix_aware_policies_beat_random(small_chat: Workload) -> None:
