@@ -2,15 +2,25 @@
 
 from __future__ import annotations
 
+import aiohttp
 import pytest
 import yaml
+from aiohttp import web
 from prometheus_client import CollectorRegistry, generate_latest
 
-from extproc.config import Config, ConfigError, EndpointConfig, RoutingConfig, load_config
+from extproc.config import (
+    Config,
+    ConfigError,
+    EndpointConfig,
+    PeersConfig,
+    RoutingConfig,
+    load_config,
+)
 from extproc.metrics import RouterMetrics
-from extproc.peers import parse_peer_work
+from extproc.peers import PeerReader, parse_peer_work
 from extproc.prompt import parse_request
 from extproc.router import Router
+from extproc.stack import free_port
 
 ENDPOINTS = [EndpointConfig(address=f"10.0.0.{i}:8000") for i in range(1, 4)]
 
@@ -60,3 +70,53 @@ def test_a_removed_endpoint_is_no_longer_exported_to_peers():
     metrics.refresh(router)
     exported = parse_peer_work(generate_latest(registry).decode())[router.instance]
     assert set(exported) == {e.address for e in ENDPOINTS[:2]}
+
+
+async def test_the_reader_counts_answering_peers_and_skips_broken_or_dead_ones():
+    """One peer answers with its work, one serves garbage, one a 500, one is not there: the
+    first is counted, the rest are skipped without an exception."""
+    good = "\n".join(
+        [
+            "# TYPE prefix_router_own_queued_work gauge",
+            'prefix_router_own_queued_work{router="r1",endpoint="10.0.0.1:8000"} 5000.0',
+            'prefix_router_own_queued_work{router="r1",endpoint="10.0.0.2:8000"} 0.0',
+            'prefix_router_own_queued_work{router="me",endpoint="10.0.0.1:8000"} 9.0',
+        ]
+    )
+    pages = {"good": (200, good), "garbage": (200, "{not prometheus"), "error": (500, "")}
+
+    async def handler(request: web.Request) -> web.Response:
+        status, text = pages[request.match_info["name"]]
+        return web.Response(status=status, text=text)
+
+    app = web.Application()
+    app.router.add_get("/{name}/metrics", handler)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]
+    heard: list[tuple[str, dict[str, float]]] = []
+    config = PeersConfig(addresses=(f"127.0.0.1:{free_port()}",), timeout_seconds=1.0)
+    reader = PeerReader(config, lambda router, work: heard.append((router, work)))
+    # The path prefix stands in for three peers on one test server (and one dead address).
+    reader._addresses_now = [f"127.0.0.1:{port}/{name}" for name in pages]
+    try:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=1.0)) as session:
+            results = [await reader.poll(session, a) for a in reader._addresses_now]
+            results.append(await reader.poll(session, config.addresses[0]))
+        for address, result in zip([*reader._addresses_now, "dead"], results, strict=True):
+            reader.record(address, result)
+    finally:
+        await runner.cleanup()
+    assert results[1:] == [None, None, None]
+    assert sorted(heard) == [
+        ("me", {"10.0.0.1:8000": 9.0}),
+        ("r1", {"10.0.0.1:8000": 5000.0, "10.0.0.2:8000": 0.0}),
+    ]
+    # The router skips its own figures (its instance name), which the reader passes on.
+    router = Router(RoutingConfig(), ENDPOINTS, clock=lambda: 0.0)
+    router.instance = "me"
+    for name, work in heard:
+        router.observe_peer_work(name, work)
+    assert router.peers() == ["r1"]
