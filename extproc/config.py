@@ -199,6 +199,13 @@ class RoutingConfig(_Strict):
         default=4, ge=1, description="blocks in the session key without turns (completions)"
     )
     fallbacks: int = Field(default=2, ge=0, le=16, description="extra endpoints in the header")
+    peer_work_weight: float = Field(
+        default=0.5,
+        ge=0,
+        le=1,
+        description="share of the queued work peers report that counts (peers section); "
+        "under 1 damps routers moving sessions on second-old figures",
+    )
     count_unseen_waiting: bool = Field(
         default=True,
         description="count requests an endpoint reports waiting beyond this router's own "

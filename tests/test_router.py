@@ -570,10 +570,14 @@ def test_other_replicas_reported_work_counts_and_drains():
     router.observe_peer_work("peer-a", {busy: 120_000.0, "10.9.9.9:8000": 5.0})  # unknown: ignored
     router.observe_peer_work("peer-b", {busy: 60_000.0})
     assert router.peers() == ["peer-a", "peer-b"]
-    assert router.queued_work()[busy] == pytest.approx(180_000)
+    weight = RoutingConfig().peer_work_weight  # 0.5: a damped share of it counts
+    assert router.queued_work()[busy] == pytest.approx(weight * 180_000)
     assert router.own_queued_work()[busy] == 0  # what it tells its peers: its own only
     clock.now += 1.0  # drains at the prefill throughput (60,000/s), from each report
-    assert router.queued_work()[busy] == pytest.approx(120_000)
+    assert router.queued_work()[busy] == pytest.approx(weight * 120_000)
+    full = Router(RoutingConfig(peer_work_weight=1.0), ENDPOINTS, clock=clock)
+    full.observe_peer_work("peer-a", {busy: 120_000.0})
+    assert full.queued_work()[busy] == pytest.approx(120_000)
     # A new conversation whose rendezvous pick is the busy endpoint goes elsewhere now.
     for i in range(100):
         conversation = chat(f"a new conversation {i} " * 30)
