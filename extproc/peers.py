@@ -45,12 +45,16 @@ def parse_peer_work(text: str) -> PeerWork:
 class PeerReader(EndpointPoller[PeerWork | None]):
     task_name = "peer-work"
 
-    def __init__(self, config: PeersConfig, on_work: Callable[[str, dict[str, float]], None]):
-        super().__init__(lambda: list(self._addresses_now), config.interval_seconds,
-                         config.timeout_seconds)  # fmt: skip
+    def __init__(
+        self, config: PeersConfig, on_work: Callable[[str, dict[str, float]], None]
+    ) -> None:
+        # The addresses of this round: the static list plus what dns_name resolved to.
+        self._addresses_now: list[str] = list(config.addresses)
+        super().__init__(
+            lambda: list(self._addresses_now), config.interval_seconds, config.timeout_seconds
+        )
         self.config = config
         self._on_work = on_work
-        self._addresses_now: list[str] = list(config.addresses)
         self._answering: dict[str, bool] = {}
 
     async def poll_all(self, session: aiohttp.ClientSession) -> None:
