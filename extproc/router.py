@@ -279,8 +279,7 @@ class Router:
         routers' work, which they count themselves."""
         now = self.clock()
         self._drain_all(now)
-        every = np.arange(len(self._addresses))
-        own = self._work + self._detached_now(every, now)
+        own = self._own(np.arange(len(self._addresses)), now)
         return dict(zip(self._addresses, own.tolist(), strict=True))
 
     def observe_peer_work(self, peer: str, work: Mapping[str, float]) -> None:
@@ -351,12 +350,12 @@ class Router:
 
     def queued_work(self) -> dict[str, float]:
         """Estimated prefill work queued per endpoint now (token-equivalents), as the
-        scheduler sees it: this router's charges (``_detached_now`` included) plus other
-        routers' (``_unseen``)."""
+        scheduler sees it: this router's charges (``_own``) plus other routers'
+        (``_others``)."""
         now = self.clock()
         self._drain_all(now)
         every = np.arange(len(self._addresses))
-        queued = self._work + self._detached_now(every, now) + self._others(every, now)
+        queued = self._own(every, now) + self._others(every, now)
         return dict(zip(self._addresses, queued.tolist(), strict=True))
 
     def index_stats(self) -> IndexStats:
@@ -380,6 +379,10 @@ class Router:
             # -> 0.17 in full, 0.22 above the median).
             left = np.maximum(0.0, left - float(np.median(left)))
         return left
+
+    def _own(self, positions: np.ndarray, now: float) -> np.ndarray:
+        """This router's charges (after ``_drain_all``), detached ones included."""
+        return self._work[positions] + self._detached_now(positions, now)
 
     def _others(self, positions: np.ndarray, now: float) -> np.ndarray | float:
         """Other routers' queued work: what peers report (times routing.peer_work_weight), or
@@ -473,9 +476,7 @@ class Router:
             addresses=self._addresses,
             rows=positions,
             load=np.fmax(self._in_flight[positions], self._reported_load[positions]),
-            work=self._work[positions]
-            + self._detached_now(positions, now)
-            + self._others(positions, now),
+            work=self._own(positions, now) + self._others(positions, now),
             matched=self.index.match_positions(hashes, positions),
             weight=self._weight[positions],
             address_hash=self._address_hash[positions],
