@@ -20,7 +20,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from .config import PeersConfig
 from .discovery import getaddrinfo_resolver
-from .poller import EndpointPoller
+from .poller import EndpointPoller, fetch_parsed
 
 log = logging.getLogger(__name__)
 
@@ -68,13 +68,7 @@ class PeerReader(EndpointPoller[PeerWork | None]):
         await super().poll_all(session)
 
     async def poll(self, session: aiohttp.ClientSession, address: str) -> PeerWork | None:
-        try:
-            async with session.get(f"http://{address}/metrics") as response:
-                if response.status != 200:
-                    return None
-                return parse_peer_work(await response.text())
-        except (aiohttp.ClientError, TimeoutError, OSError, ValueError):
-            return None
+        return await fetch_parsed(session, f"http://{address}/metrics", parse_peer_work)
 
     def record(self, address: str, result: PeerWork | None) -> None:
         answering = result is not None

@@ -15,6 +15,21 @@ from typing import Generic, TypeVar
 import aiohttp
 
 Result = TypeVar("Result")
+Parsed = TypeVar("Parsed")
+
+
+async def fetch_parsed(
+    session: aiohttp.ClientSession, url: str, parse: Callable[[str], Parsed]
+) -> Parsed | None:
+    """GET ``url`` and parse its text; None for a non-200 answer, a network failure or a
+    page ``parse`` rejects (ValueError), so that a poll never raises."""
+    try:
+        async with session.get(url) as response:
+            if response.status != 200:
+                return None
+            return parse(await response.text())
+    except (aiohttp.ClientError, TimeoutError, OSError, ValueError):
+        return None
 
 
 class EndpointPoller(Generic[Result]):

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
-from .poller import EndpointPoller
+from .poller import EndpointPoller, fetch_parsed
 
 log = logging.getLogger(__name__)
 
@@ -97,13 +97,8 @@ class MetricsScraper(EndpointPoller[EndpointSignals]):
         self.latest: dict[str, EndpointSignals] = {}
 
     async def poll(self, session: aiohttp.ClientSession, address: str) -> EndpointSignals:
-        try:
-            async with session.get(f"http://{address}{self.path}") as response:
-                if response.status != 200:
-                    return EndpointSignals(up=False)
-                return parse_metrics(await response.text())
-        except (aiohttp.ClientError, TimeoutError, OSError, ValueError):
-            return EndpointSignals(up=False)
+        signals = await fetch_parsed(session, f"http://{address}{self.path}", parse_metrics)
+        return EndpointSignals(up=False) if signals is None else signals
 
     def record(self, address: str, signals: EndpointSignals) -> None:
         previous = self.latest.get(address)
