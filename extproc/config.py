@@ -58,6 +58,13 @@ def format_host_port(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
+def _dns_name_or_none(value: str | None) -> str | None:
+    """A DNS name field's check (discovery and peers)."""
+    if value is not None and (not value.strip() or any(c.isspace() for c in value)):
+        raise ValueError("must be a DNS name without spaces")
+    return value
+
+
 class EndpointConfig(_Strict):
     """One model-server replica."""
 
@@ -311,9 +318,7 @@ class DiscoveryConfig(_Strict):
     @field_validator("dns_name")
     @classmethod
     def _dns_name(cls, value: str | None) -> str | None:
-        if value is not None and (not value.strip() or any(c.isspace() for c in value)):
-            raise ValueError("must be a DNS name without spaces")
-        return value
+        return _dns_name_or_none(value)
 
     @model_validator(mode="after")
     def _required_for_kind(self) -> DiscoveryConfig:
@@ -379,14 +384,15 @@ class PeersConfig(_Strict):
                 raise ValueError(f"{address!r} is not 'host:port' (IPv6 as '[addr]:port')")
         return value
 
+    @field_validator("dns_name")
+    @classmethod
+    def _dns_name(cls, value: str | None) -> str | None:
+        return _dns_name_or_none(value)
+
     @model_validator(mode="after")
     def _dns_complete(self) -> PeersConfig:
         if (self.dns_name is None) != (self.dns_port is None):
             raise ValueError("dns_name and dns_port: set both (or neither)")
-        if self.dns_name is not None and (
-            not self.dns_name.strip() or any(c.isspace() for c in self.dns_name)
-        ):
-            raise ValueError("dns_name: must be a DNS name without spaces")
         return self
 
 
