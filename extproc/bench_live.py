@@ -476,6 +476,30 @@ def start_peer(
     return Peer(run, proc, port, metrics_port)
 
 
+def _envoy_in_front(
+    stack: Stack,
+    run: str,
+    servers: Sequence[str],
+    mode: str,
+    router: str,
+    body_mode: str = "buffered",
+) -> tuple[str, ManagedProcess, int]:
+    """A real Envoy on loopback in front of ``servers`` (``router``: one or a comma list of
+    ext_proc addresses); returns its URL, its process and that process's pid."""
+    port = free_port()
+    options = envoyconf.EnvoyOptions(
+        mode=mode,  # type: ignore[arg-type]
+        endpoints=list(servers),
+        listen=f"{LOOPBACK}:{port}",
+        admin=f"{LOOPBACK}:{free_port()}",
+        router=router,
+        body_mode=body_mode,  # type: ignore[arg-type]
+    )
+    _, envoy = stack.start_envoy(options, name=f"envoy-{run}")
+    assert envoy.process is not None
+    return f"http://{LOOPBACK}:{port}", envoy, envoy.process.pid
+
+
 @contextlib.contextmanager
 def start_target(
     stack: Stack,
@@ -501,19 +525,11 @@ def start_target(
                 )
                 started.append(router)
                 addresses.append(address)
-            port = free_port()
-            options = envoyconf.EnvoyOptions(
-                mode="override-host",
-                endpoints=list(servers),
-                listen=f"{LOOPBACK}:{port}",
-                admin=f"{LOOPBACK}:{free_port()}",
-                router=",".join(addresses),
-            )
-            _, envoy = stack.start_envoy(options, name=f"envoy-{run}")
+            routers = ",".join(addresses)
+            url, envoy, pid = _envoy_in_front(stack, run, servers, "override-host", routers)
             started.append(envoy)
-            assert envoy.process is not None
             # Two router processes: no single process tree to charge CPU to.
-            yield Target(run, f"http://{LOOPBACK}:{port}", None, envoy.process.pid)
+            yield Target(run, url, None, pid)
         elif run in ("round_robin", "prefix_buffered", "prefix_duplex", "prefix_blocks"):
             body_mode = "full_duplex_streamed" if run == "prefix_duplex" else "buffered"
             if run == "prefix_blocks":
@@ -526,19 +542,10 @@ def start_target(
                 )
                 started.append(router)
                 router_pid = router.process.pid if router.process else None
-            port = free_port()
-            options = envoyconf.EnvoyOptions(
-                mode="round-robin" if run == "round_robin" else "override-host",
-                endpoints=list(servers),
-                listen=f"{LOOPBACK}:{port}",
-                admin=f"{LOOPBACK}:{free_port()}",
-                router=router_address,
-                body_mode=body_mode,
-            )
-            _, envoy = stack.start_envoy(options, name=f"envoy-{run}")
+            mode = "round-robin" if run == "round_robin" else "override-host"
+            url, envoy, pid = _envoy_in_front(stack, run, servers, mode, router_address, body_mode)
             started.append(envoy)
-            assert envoy.process is not None
-            yield Target(run, f"http://{LOOPBACK}:{port}", router_pid, envoy.process.pid)
+            yield Target(run, url, router_pid, pid)
         elif run in PEERS:
             peer = start_peer(stack, run, servers, model_dir if run == "sglang" else None)
             started.append(peer.proc)
