@@ -70,8 +70,15 @@ def test_one_router_sees_all_the_traffic_and_keeps_its_cold_margin(tmp_path):
         envoy_ports, admin_ports = _start(stack, ["router"], replicas)
         assert _share_and_margin(admin_ports[0]) == (1.0, 0.5)  # before any traffic
         _send(envoy_ports)
-        # Measured, not the start value: the share falls below 1 only if what the replicas
-        # report finishing exceeds what this router sent them.
+        # The share is measured from the same prefill windows, past the same 16-request
+        # threshold, as the prefill rate: once the rate has moved off its start value the
+        # share on show is a measurement, not the start value 1.
+        rate = ("prefix_router_prefill_tokens_per_second", ())
+        deadline = time.monotonic() + 15
+        while samples(admin_ports[0]).get(rate, 60_000.0) == 60_000.0:
+            assert time.monotonic() < deadline, "no prefill window reached the router"
+            time.sleep(0.2)
+        time.sleep(1.2)  # the gauges are refreshed every second
         ((share, margin),) = _settled(admin_ports, lambda s, m: s > 0.9)
         assert share > 0.9 and margin < 0.55, (share, margin)
 
