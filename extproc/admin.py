@@ -5,6 +5,8 @@ GET /healthz           200 while the process runs
 GET /readyz            200 when endpoints are known (and, with workers, one is alive); else 503
 GET /debug/decisions   the last N decisions with their full explanation, newest first
                        (?limit=K, ?outcome=routed|pass_through|no_endpoint|error)
+GET /peer/placements   this replica's recent placements for its peers (placements.py;
+                       ?after=N&log=ID); an empty log unless peers are configured
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import orjson
 from aiohttp import web
 
 from .metrics import exposition
+from .placements import PLACEMENTS_PATH, PlacementLog
 
 if TYPE_CHECKING:
     from .server import Outcome
@@ -59,7 +62,9 @@ class DecisionLog:
         return records[:limit]
 
 
-def build_admin_app(decisions: DecisionLog, ready: Callable[[], bool]) -> web.Application:
+def build_admin_app(
+    decisions: DecisionLog, ready: Callable[[], bool], placements: PlacementLog | None = None
+) -> web.Application:
     async def metrics(_request: web.Request) -> web.Response:
         body, content_type = exposition()
         return web.Response(body=body, headers={"Content-Type": content_type})
@@ -82,11 +87,21 @@ def build_admin_app(decisions: DecisionLog, ready: Callable[[], bool]) -> web.Ap
             body=orjson.dumps({"decisions": records}), content_type="application/json"
         )
 
+    async def peer_placements(request: web.Request) -> web.Response:
+        try:
+            after = int(request.query.get("after", "0"))
+        except ValueError:
+            return web.json_response({"error": "after must be an integer"}, status=400)
+        log = placements or PlacementLog()
+        body = log.answer(after, request.query.get("log"))
+        return web.Response(body=body, content_type="application/json")
+
     app = web.Application()
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/readyz", readyz)
     app.router.add_get("/debug/decisions", recent)
+    app.router.add_get(PLACEMENTS_PATH, peer_placements)
     return app
 
 

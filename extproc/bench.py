@@ -130,6 +130,12 @@ def _add_share_queues_argument(parser: argparse.ArgumentParser) -> None:
         help="ours' K router replicas read each other's queued work every second "
         "(the server's peers config)",
     )
+    parser.add_argument(
+        "--share-placements",
+        action="store_true",
+        help="ours' K router replicas read each other's placements every second into their "
+        "indexes (the server's peers config)",
+    )
 
 
 def _add_routing_argument(parser: argparse.ArgumentParser) -> None:
@@ -234,13 +240,18 @@ def grid_command(args: argparse.Namespace) -> int:
         args.jobs,
         lambda *_: bar.update(1),
         share_queues=args.share_queues,
+        share_placements=args.share_placements,
     )
     bar.close()
     for cell, by_policy in peers.items():
         if cell in results:
             results[cell] = {**by_policy, **results[cell]}
     rows = sim_grid.verdicts(results)
-    shared = "; router replicas share queued work" if args.share_queues else ""
+    shared = "".join(
+        f"; router replicas share {what}"
+        for what, on in (("queued work", args.share_queues), ("placements", args.share_placements))
+        if on
+    )
     print(
         f"routing overrides: {routing or 'none'}{shared}; {runs} runs, {args.jobs} worker processes"
     )
@@ -253,6 +264,7 @@ def grid_command(args: argparse.Namespace) -> int:
             "cells": sim_grid.to_json(results),
             "routing_overrides": routing,
             "share_queues": args.share_queues,
+            "share_placements": args.share_placements,
             "summary": sim_grid.summary_line(rows),
             "wall_seconds": round(wall, 2),
             "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
@@ -278,6 +290,7 @@ def simulate_command(args: argparse.Namespace) -> int:
         routing=RoutingConfig(**routing),
         audit=args.audit,
         share_queues=args.share_queues,
+        share_placements=args.share_placements,
     )
     ks = _int_list("--sweep-k", args.sweep_k) if args.sweep_k else []
     swept = [n for n in names if n not in BOUNDS]
@@ -322,6 +335,7 @@ def simulate_command(args: argparse.Namespace) -> int:
             "cost_model": cost.as_dict(),
             "routing_overrides": routing,
             "share_queues": args.share_queues,
+            "share_placements": args.share_placements,
         },
         "wall_seconds": round(time.perf_counter() - started, 2),
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),

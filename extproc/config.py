@@ -346,10 +346,12 @@ class SignalsConfig(_Strict):
 
 
 class PeersConfig(_Strict):
-    """Other replicas of this router, whose own queued work is counted as this one's (off
-    while no address or DNS name is set). Each replica exports its charges per endpoint on
-    its admin /metrics (``prefix_router_own_queued_work``) and reads the others' every
-    interval, so a long prefill one replica sent is seen by all within about a second."""
+    """Other replicas of this router, whose own queued work is counted as this one's and
+    whose placements go into this one's index (off while no address or DNS name is set).
+    Each replica exports its charges per endpoint on its admin /metrics
+    (``prefix_router_own_queued_work``) and its recent placements on /peer/placements, and
+    reads the others' every interval, so a long prefill one replica sent, and a conversation
+    it placed, are known to all within about a second."""
 
     addresses: tuple[str, ...] = Field(
         default=(), description="admin host:port of each other replica (its own is skipped)"
@@ -362,6 +364,11 @@ class PeersConfig(_Strict):
     )
     interval_seconds: float = Field(default=1.0, gt=0, description="time between reads")
     timeout_seconds: float = Field(default=0.5, gt=0, description="read timeout")
+    share_placements: bool = Field(
+        default=True,
+        description="also read the peers' placements (block hashes and endpoint of each "
+        "request they routed) into this replica's index",
+    )
 
     @property
     def enabled(self) -> bool:

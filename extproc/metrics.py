@@ -104,6 +104,10 @@ class RouterMetrics:
             "liveall",
         )
         self._own_work_exported: set[str] = set()
+        self.peer_placements = counter(
+            "prefix_router_peer_placements",
+            "Placements read from peer router replicas into this one's index (peers config)",
+        )
         self.peers = gauge(
             "prefix_router_peers",
             "Other router replicas whose queued work this one counts (heard from recently)",

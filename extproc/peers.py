@@ -1,25 +1,30 @@
-"""Read the other router replicas' own queued work from their admin /metrics.
+"""Read the other router replicas' own queued work and placements from their admin port.
 
 Each replica exports the prefill work it sent each endpoint and still counts as queued
-(``prefix_router_own_queued_work{router, endpoint}``, refreshed every second). Reading the
-others' makes a long prefill that one replica sent visible to all of them within about
-``interval_seconds`` + 1 s; without it each sees only its own charges and the endpoints'
-waiting counts (docs/benchmarks.md: K=4 Mooncake p99 several times K=1's). Peers come from a
-static list of admin addresses and/or a DNS name (a headless Service) resolved every round;
-this replica's own figures (same ``router`` label) are skipped, its sibling worker processes'
-are not. A peer that does not answer is skipped until it does; its last report drains away.
+(``prefix_router_own_queued_work{router, endpoint}`` on /metrics, refreshed every second).
+Reading the others' makes a long prefill that one replica sent visible to all of them within
+about ``interval_seconds`` + 1 s; without it each sees only its own charges and the endpoints'
+waiting counts (docs/benchmarks.md: K=4 Mooncake p99 several times K=1's). With
+``share_placements`` each also reads the placements the others made since its last read
+(``/peer/placements``, placements.py) into its index, so a conversation another replica
+started is found where it was placed. Peers come from a static list of admin addresses
+and/or a DNS name (a headless Service) resolved every round; this replica's own figures
+(same ``router`` label) are skipped, its sibling worker processes' are not. A peer that does
+not answer is skipped until it does; its last report drains away.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
 from .config import PeersConfig
 from .discovery import getaddrinfo_resolver
+from .placements import PLACEMENTS_PATH, Placement, decode
 from .poller import EndpointPoller, fetch_parsed
 
 log = logging.getLogger(__name__)
@@ -42,11 +47,21 @@ def parse_peer_work(text: str) -> PeerWork:
     return out
 
 
-class PeerReader(EndpointPoller[PeerWork | None]):
+@dataclass(frozen=True, slots=True)
+class PeerAnswer:
+    work: PeerWork | None  # None: /metrics did not answer (or not in the format)
+    # (log, last, placements) from /peer/placements; None when not read or not answered.
+    placements: tuple[str, int, list[Placement]] | None = None
+
+
+class PeerReader(EndpointPoller[PeerAnswer]):
     task_name = "peer-work"
 
     def __init__(
-        self, config: PeersConfig, on_work: Callable[[str, dict[str, float]], None]
+        self,
+        config: PeersConfig,
+        on_work: Callable[[str, dict[str, float]], None],
+        on_placements: Callable[[list[Placement]], None] | None = None,
     ) -> None:
         # The addresses of this round: the static list plus what dns_name resolved to.
         self._addresses_now: list[str] = list(config.addresses)
@@ -55,7 +70,10 @@ class PeerReader(EndpointPoller[PeerWork | None]):
         )
         self.config = config
         self._on_work = on_work
+        self._on_placements = on_placements
         self._answering: dict[str, bool] = {}
+        # Per peer address: the placement log read and the last placement number seen.
+        self._seen: dict[str, tuple[str, int]] = {}
 
     async def poll_all(self, session: aiohttp.ClientSession) -> None:
         addresses = list(self.config.addresses)
@@ -65,13 +83,20 @@ class PeerReader(EndpointPoller[PeerWork | None]):
             except OSError as exc:
                 log.warning("peers: cannot resolve %s: %s", self.config.dns_name, exc)
         self._addresses_now = sorted(set(addresses))
+        for gone in self._seen.keys() - set(self._addresses_now):
+            del self._seen[gone]
         await super().poll_all(session)
 
-    async def poll(self, session: aiohttp.ClientSession, address: str) -> PeerWork | None:
-        return await fetch_parsed(session, f"http://{address}/metrics", parse_peer_work)
+    async def poll(self, session: aiohttp.ClientSession, address: str) -> PeerAnswer:
+        work = await fetch_parsed(session, f"http://{address}/metrics", parse_peer_work)
+        if work is None or self._on_placements is None:
+            return PeerAnswer(work)
+        log_id, last = self._seen.get(address, ("", 0))
+        url = f"http://{address}{PLACEMENTS_PATH}?after={last}&log={log_id}"
+        return PeerAnswer(work, await fetch_parsed(session, url, decode))
 
-    def record(self, address: str, result: PeerWork | None) -> None:
-        answering = result is not None
+    def record(self, address: str, result: PeerAnswer) -> None:
+        answering = result.work is not None
         if self._answering.get(address) != answering:
             log.log(
                 logging.INFO if answering else logging.WARNING,
@@ -80,5 +105,9 @@ class PeerReader(EndpointPoller[PeerWork | None]):
                 "answers" if answering else "does not answer; its queued work fades out",
             )
             self._answering[address] = answering
-        for router, work in (result or {}).items():
+        for router, work in (result.work or {}).items():
             self._on_work(router, work)
+        if result.placements is not None and self._on_placements is not None:
+            log_id, last, placements = result.placements
+            self._seen[address] = (log_id, last)
+            self._on_placements(placements)

@@ -21,6 +21,7 @@ import numpy as np
 from .config import EndpointConfig, RoutingConfig
 from .hashing import block_hashes, placement_key, root_hash, session_blocks
 from .index import IndexStats, PrefixIndex
+from .placements import Placement, PlacementLog
 from .prompt import LLMRequest
 from .scheduler import (
     RULE_NO_ENDPOINT,
@@ -122,6 +123,9 @@ class Router:
         self._peer_work = _DrainingWork()
         # This replica's name among its peers (the ``router`` label of its exported work).
         self.instance = uuid.uuid4().hex[:12]
+        # What this router placed where, for its peers to read (placements.py); None = not
+        # shared (the server sets a log when peers are configured).
+        self.placements: PlacementLog | None = None
         # Prefill work done and time spent, as the endpoints report it (decaying sums).
         self._rate_work = self._rate_seconds = self._rate_prefills = 0.0
         # A typical prefill charge of this router's, to price other routers' requests with.
@@ -497,6 +501,7 @@ class Router:
         if decision.endpoint is not None:
             chosen = self._position[decision.endpoint]
             self.index.record_position(chosen, hashes)
+            self._log_placement(decision.endpoint, hashes)
             self._charge(chosen, decision, now)
             self._sent[chosen] += 1
         return decision
@@ -539,4 +544,23 @@ class Router:
         decision.served = served_address
         self._charge(i, decision, self.clock())
         self.index.record_position(i, decision.hashes)
+        self._log_placement(served_address, decision.hashes)
         return True
+
+    # -- placements shared with peers -----------------------------------------------------
+    def _log_placement(self, address: str, hashes: np.ndarray) -> None:
+        if self.placements is not None:
+            self.placements.add(Placement(self.instance, address, hashes))
+
+    def observe_peer_placements(self, placements: Sequence[Placement]) -> int:
+        """Other router replicas' placements, oldest first: each endpoint now probably holds
+        those blocks, as if this router had sent the request there (this router's own, which
+        sibling workers' shared log returns too, are skipped). Returns how many were
+        recorded."""
+        recorded = 0
+        for placement in placements:
+            i = self._position.get(placement.endpoint)
+            if i is not None and placement.router != self.instance and len(placement.hashes):
+                self.index.record_position(i, placement.hashes)
+                recorded += 1
+        return recorded

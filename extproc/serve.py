@@ -36,6 +36,7 @@ from .discovery import source_from_config
 from .endpoints import HealthChecker
 from .metrics import MULTIPROC_ENV, RouterMetrics
 from .peers import PeerReader
+from .placements import Placement, PlacementLog
 from .router import Router
 from .server import ExternalProcessorService, Outcome
 from .signals import EndpointSignals, MetricsScraper
@@ -92,6 +93,7 @@ class RouterService:
         decision_sink: Callable[[dict[str, Any]], None] | None = None,
         serve_admin: bool = True,
         tracer: DecisionTracer | None = None,
+        placement_sink: Callable[[list[Placement]], None] | None = None,
     ) -> None:
         self.config = config
         self.router = Router(config.routing, config.endpoints)
@@ -111,7 +113,17 @@ class RouterService:
             config.signals.interval_seconds,
             config.signals.timeout_seconds,
         )
-        self.peers = PeerReader(config.peers, self.router.observe_peer_work)
+        sharing = config.peers.enabled and config.peers.share_placements
+        self.peers = PeerReader(
+            config.peers,
+            self.router.observe_peer_work,
+            self._on_peer_placements if sharing else None,
+        )
+        if sharing:
+            self.router.placements = PlacementLog()
+        # A worker hands its placements to the supervisor, whose admin port serves them.
+        self._placement_sink = placement_sink if sharing else None
+        self._placements_forwarded = 0
         self.serve_admin = serve_admin and bool(config.server.admin_listen)
         self.server: grpc.aio.Server | None = None
         self.admin_runner: Any = None
@@ -142,6 +154,17 @@ class RouterService:
             capacity,
             prefill_window=signals.window_prefill,
         )
+
+    def _on_peer_placements(self, placements: list[Placement]) -> None:
+        self.metrics.peer_placements.inc(self.router.observe_peer_placements(placements))
+
+    def _forward_placements(self) -> None:
+        log = self.router.placements
+        if self._placement_sink is None or log is None:
+            return
+        if log.last > self._placements_forwarded:
+            self._placement_sink(log.after(self._placements_forwarded))
+            self._placements_forwarded = log.last
 
     def observe(self, outcome: Outcome) -> None:
         self.outcomes(outcome)
@@ -176,7 +199,7 @@ class RouterService:
             raise RuntimeError(f"cannot listen on {self.config.server.listen}")
         await self.server.start()
         if self.serve_admin:
-            app = build_admin_app(self.decisions, self.ready)
+            app = build_admin_app(self.decisions, self.ready, self.router.placements)
             self.admin_runner, self.admin_port = await start_admin(
                 app, self.config.server.admin_listen
             )
@@ -203,6 +226,7 @@ class RouterService:
     async def _refresh_gauges(self) -> None:
         while True:
             self.metrics.refresh(self.router)
+            self._forward_placements()
             await asyncio.sleep(1.0)
 
     async def _set_serving(self, ready: bool) -> None:
@@ -247,8 +271,9 @@ async def serve_until_signalled(
     config: Config,
     decision_sink: Callable[[dict[str, Any]], None] | None = None,
     serve_admin: bool = True,
+    placement_sink: Callable[[list[Placement]], None] | None = None,
 ) -> None:
-    service = RouterService(config, decision_sink, serve_admin)
+    service = RouterService(config, decision_sink, serve_admin, placement_sink=placement_sink)
     port = await service.start()
     log.info(
         "pid %d serving ext_proc on %s (port %d), %d endpoints, body mode %s%s",
@@ -274,14 +299,23 @@ async def serve_until_signalled(
     log.info("pid %d drained, exiting", os.getpid())
 
 
-def _worker_main(config_data: dict[str, Any], log_level: str, decisions: Any) -> None:
+def _worker_main(
+    config_data: dict[str, Any], log_level: str, decisions: Any, placements: Any
+) -> None:
     _setup_logging(log_level)
 
     def sink(record: dict[str, Any]) -> None:
         with contextlib.suppress(queue.Full):
             decisions.put_nowait(record)  # dropped, never blocking, when the admin lags
 
-    asyncio.run(serve_until_signalled(Config.model_validate(config_data), sink, serve_admin=False))
+    def placement_sink(batch: list[Placement]) -> None:
+        with contextlib.suppress(queue.Full):
+            placements.put_nowait(batch)  # likewise: peers then miss one second of them
+
+    config = Config.model_validate(config_data)
+    asyncio.run(
+        serve_until_signalled(config, sink, serve_admin=False, placement_sink=placement_sink)
+    )
 
 
 class _Supervisor:
@@ -294,12 +328,16 @@ class _Supervisor:
         self.data = config.model_dump(mode="json")
         self.decision_queue = self.ctx.Queue(maxsize=4096)
         self.decisions = DecisionLog(config.server.decisions_kept)
+        # Every worker's placements (one batch a second each), served to peer routers.
+        self.placement_queue = self.ctx.Queue(maxsize=64)
+        self.placements = PlacementLog()
         self.stopping = False
         self.workers: list[multiprocessing.process.BaseProcess] = []
 
     def spawn(self) -> multiprocessing.process.BaseProcess:
         process = self.ctx.Process(
-            target=_worker_main, args=(self.data, self.log_level, self.decision_queue)
+            target=_worker_main,
+            args=(self.data, self.log_level, self.decision_queue, self.placement_queue),
         )
         process.start()
         return process
@@ -317,7 +355,7 @@ class _Supervisor:
 
     def _admin_thread(self) -> None:
         async def main() -> None:
-            app = build_admin_app(self.decisions, self.ready)
+            app = build_admin_app(self.decisions, self.ready, self.placements)
             runner, port = await start_admin(app, self.config.server.admin_listen)
             log.info("admin endpoint on port %d (all workers)", port)
             while not self.stopping or any(p.is_alive() for p in self.workers):
@@ -330,6 +368,10 @@ class _Supervisor:
         with contextlib.suppress(queue.Empty):
             for _ in range(10_000):
                 self.decisions.add(self.decision_queue.get_nowait())
+        with contextlib.suppress(queue.Empty):
+            for _ in range(64):
+                for placement in self.placement_queue.get_nowait():
+                    self.placements.add(placement)
 
     def run(self) -> int:
         self.workers = [self.spawn() for _ in range(self.config.server.workers)]

@@ -109,7 +109,8 @@ async def test_the_reader_counts_answering_peers_and_skips_broken_or_dead_ones()
             reader.record(address, result)
     finally:
         await runner.cleanup()
-    assert results[1:] == [None, None, None]
+    assert [r.work for r in results[1:]] == [None, None, None]
+    assert all(r.placements is None for r in results)  # not asked for
     assert sorted(heard) == [
         ("me", {"10.0.0.1:8000": 9.0}),
         ("r1", {"10.0.0.1:8000": 5000.0, "10.0.0.2:8000": 0.0}),

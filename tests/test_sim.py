@@ -134,6 +134,28 @@ def test_shared_queues_wire_each_router_replica_to_the_others(small_chat: Worklo
             assert set(heard) == (expected if share else set())
 
 
+def test_router_replicas_share_placements_only_when_asked(small_chat: Workload) -> None:
+    """With share_placements each of ours' instances reads the others' placements into its
+    index: every instance's index then holds every request's blocks, not a third."""
+    entries = {}
+    for share in (False, True):
+        ctx = PolicyContext(
+            [Replica(i, 20_000, CostModel()) for i in range(4)],
+            random.Random(0),
+            20_000,
+            share_placements=share,
+        )
+        group = make_policy("ours", ctx, 3, 16)
+        for request in small_chat.requests[:30]:
+            ctx.now = request.arrival_s
+            group.route(request, request.arrival_s)
+        ctx.now += 2.0  # past the next read: each reads what the others placed
+        group.route(small_chat.requests[30], ctx.now)
+        entries[share] = [i.router.index.stats().entries for i in group.instances]
+        assert all(not i.router.peers() for i in group.instances)  # queues not shared
+    assert min(entries[True]) > max(entries[False])
+
+
 def test_prefix_aware_policies_beat_random(small_chat: Workload) -> None:
     params = SimParams(replicas=4, capacity_tokens=20_000, seed=0)
     hit = {

@@ -34,6 +34,8 @@ class SimParams:
     audit: bool = False
     # Ours' K router replicas read each other's queued work (config ``peers``).
     share_queues: bool = False
+    # ... and the placements each makes (what went where), into each other's indexes.
+    share_placements: bool = False
 
 
 @dataclass(slots=True)
@@ -85,6 +87,7 @@ def simulate(
         kv_block_tokens=params.cost.kv_block_tokens,
         router_cost=params.router_cost,
         share_queues=params.share_queues,
+        share_placements=params.share_placements,
     )
     chunk_tokens = requests[0].chunk_tokens if requests else 16
     router = make_policy(policy, ctx, params.router_replicas, chunk_tokens)

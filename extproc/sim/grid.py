@@ -78,6 +78,7 @@ def run_one(
     trace: str | None,
     routing: dict[str, Any],
     share_queues: bool = False,
+    share_placements: bool = False,
 ) -> tuple[Cell, str, dict[str, Any]]:
     """One simulation (runs in a worker process; everything it takes is picklable)."""
     cost = CostModel()
@@ -88,6 +89,7 @@ def run_one(
         cost=cost,
         routing=RoutingConfig(**routing),
         share_queues=share_queues,
+        share_placements=share_placements,
     )
     workload = _workload(cell.workload, trace)
     result = simulate(workload, policy, params)
@@ -102,6 +104,7 @@ def run_grid(
     jobs: int,
     done: Callable[[Cell, str, dict[str, Any]], None] | None = None,
     share_queues: bool = False,
+    share_placements: bool = False,
 ) -> dict[Cell, dict[str, dict[str, Any]]]:
     """Peers and bounds run at K=1 only (their K sweep is `simulate --sweep-k`'s job)."""
     work = [
@@ -116,7 +119,10 @@ def run_grid(
     )
     out: dict[Cell, dict[str, dict[str, Any]]] = {}
     with ProcessPoolExecutor(max_workers=max(1, jobs)) as pool:
-        futures = [pool.submit(run_one, c, p, trace, routing, share_queues) for c, p in work]
+        futures = [
+            pool.submit(run_one, c, p, trace, routing, share_queues, share_placements)
+            for c, p in work
+        ]
         for future in futures:
             cell, policy, summary = future.result()
             out.setdefault(cell, {})[policy] = summary

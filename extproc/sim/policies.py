@@ -23,6 +23,7 @@ from typing import Any, Protocol
 from xxhash import xxh3_64_intdigest
 
 from ..config import EndpointConfig, PeersConfig, RoutingConfig, SignalsConfig
+from ..placements import PlacementLog
 from ..prompt import LLMRequest
 from ..router import Router
 from ..scheduler import CostModel as RouterCostModel
@@ -53,6 +54,7 @@ class PolicyContext:
     now: float = 0.0
     # K router replicas of ours read each other's queued work (config ``peers``).
     share_queues: bool = False
+    share_placements: bool = False
 
     @property
     def n(self) -> int:
@@ -381,6 +383,9 @@ class OursPolicy:
         self.peers: list[OursPolicy] = []
         self.peer_every = PeersConfig().interval_seconds
         self.next_peer_poll = 0.0
+        self.peer_seen: dict[str, int] = {}
+        if ctx.share_placements:
+            self.router.placements = PlacementLog()
 
     def _scrape(self, now: float) -> None:
         """What signals.py reads from each model server's /metrics: running and waiting
@@ -409,9 +414,16 @@ class OursPolicy:
         if now >= self.next_scrape:
             self._scrape(now)
         if self.peers and now >= self.next_peer_poll:
-            # What peers.py reads from each other replica's /metrics, every interval.
+            # What peers.py reads from each other replica's admin endpoint, every interval.
             for peer in self.peers:
-                self.router.observe_peer_work(peer.router.instance, peer.router.own_queued_work())
+                if self.ctx.share_queues:
+                    work = peer.router.own_queued_work()
+                    self.router.observe_peer_work(peer.router.instance, work)
+                if self.ctx.share_placements:
+                    log = peer.router.placements
+                    assert log is not None
+                    self.router.observe_peer_placements(log.after(self.peer_seen.get(log.id, 0)))
+                    self.peer_seen[log.id] = log.last
             self.next_peer_poll = now + self.peer_every
         decision = self.router.route(self.prompts.request(request))
         self.rules[decision.rule] = self.rules.get(decision.rule, 0) + 1
@@ -480,7 +492,7 @@ def make_policy(
     else:
         raise ValueError(f"unknown policy {name!r}; choose from {', '.join(ALL_POLICIES)}")
     group = RouterGroup([build() for _ in range(max(1, router_replicas))], ctx.rng)
-    if name == "ours" and ctx.share_queues:
+    if name == "ours" and (ctx.share_queues or ctx.share_placements):
         for instance in group.instances:
             instance.peers = [p for p in group.instances if p is not instance]
     return group

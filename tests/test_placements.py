@@ -1,0 +1,180 @@
+"""Placements shared between router replicas: the log, its wire format, the admin endpoint,
+the reader, and what a router does with another's placements."""
+
+from __future__ import annotations
+
+import aiohttp
+import numpy as np
+import orjson
+import pytest
+from aiohttp import web
+
+from extproc.admin import DecisionLog, build_admin_app
+from extproc.config import EndpointConfig, PeersConfig, RoutingConfig
+from extproc.peers import PeerReader
+from extproc.placements import Placement, PlacementLog, decode, encode
+from extproc.prompt import parse_request
+from extproc.router import Router
+
+ENDPOINTS = [EndpointConfig(address=f"10.0.0.{i}:8000") for i in range(1, 5)]
+
+
+def _placement(i: int, blocks: int = 3, router: str = "r") -> Placement:
+    return Placement(router, f"10.0.0.{i % 4 + 1}:8000", np.arange(blocks, dtype=np.uint64) + i)
+
+
+def test_the_log_is_bounded_by_placements_too():
+    log = PlacementLog(max_placements=4)
+    for i in range(10):
+        log.add(_placement(i, blocks=1))
+    assert [int(p.hashes[0]) for p in log.after(0)] == [6, 7, 8, 9]
+
+
+def test_the_log_is_bounded_by_blocks_and_answers_what_follows_a_number():
+    log = PlacementLog(max_blocks=10)
+    for i in range(6):
+        log.add(_placement(i))
+    assert log.last == 6
+    # 10 blocks keep the last three placements of three blocks (numbers 4, 5, 6).
+    assert [int(p.hashes[0]) for p in log.after(0)] == [3, 4, 5]
+    assert [int(p.hashes[0]) for p in log.after(4)] == [4, 5]
+    assert log.after(6) == []
+    # An answer is cut to the newest that fit, never to nothing.
+    assert [int(p.hashes[0]) for p in log.after(0, max_blocks=4)] == [5]
+    assert [int(p.hashes[0]) for p in log.after(0, max_blocks=1)] == [5]
+
+
+def test_the_wire_format_round_trips_and_rejects_anything_else():
+    big = Placement("r1", "[::1]:8000", np.array([0, 1, 2**64 - 1], dtype=np.uint64))
+    log_id, last, placements = decode(encode("abc", 7, [big, _placement(1)]))
+    assert (log_id, last) == ("abc", 7)
+    assert placements[0].router == "r1" and placements[0].endpoint == "[::1]:8000"
+    assert placements[0].hashes.dtype == np.uint64
+    assert placements[0].hashes.tolist() == [0, 1, 2**64 - 1]
+    for bad in [
+        b"not json",
+        b"[]",
+        orjson.dumps({"log": "a", "last": 1}),
+        orjson.dumps({"log": 1, "last": 1, "placements": []}),
+        orjson.dumps({"log": "a", "last": "1", "placements": []}),
+        orjson.dumps({"log": "a", "last": 1, "placements": [["r", "e"]]}),
+        orjson.dumps({"log": "a", "last": 1, "placements": [["r", "e", "***"]]}),
+        orjson.dumps({"log": "a", "last": 1, "placements": [["r", "e", "AAAA"]]}),  # 3 bytes
+        orjson.dumps({"log": "a", "last": 1, "placements": [[1, "e", ""]]}),
+        orjson.dumps({"log": "a", "last": 1, "placements": [7]}),
+    ]:
+        with pytest.raises(ValueError, match="not a placements answer"):
+            decode(bad)
+
+
+def test_a_reader_of_another_log_gets_the_newest_placements():
+    """A restarted replica starts a new log numbered from 1: a reader's old number means
+    nothing there."""
+    log = PlacementLog()
+    for i in range(3):
+        log.add(_placement(i))
+    assert len(decode(log.answer(2, log.id))[2]) == 1
+    assert len(decode(log.answer(2, "an-older-log"))[2]) == 3
+
+
+def _chat(text: str, *turns: str) -> bytes:
+    messages = [{"role": "system", "content": "You are a helpful assistant. " * 20}]
+    messages.append({"role": "user", "content": text})
+    for turn in turns:
+        messages += [{"role": "assistant", "content": "Sure. " * 30}]
+        messages += [{"role": "user", "content": turn}]
+    return orjson.dumps({"model": "m", "messages": messages})
+
+
+def test_a_router_finds_a_conversation_where_a_peer_placed_it():
+    """Router B never saw the first turns; with A's placements it sends the second turns
+    where A sent the first ones, wherever its own rendezvous order would have put them."""
+    a = Router(RoutingConfig(), ENDPOINTS[:1], clock=lambda: 0.0)  # places all on .1
+    a.placements = PlacementLog()
+    b = Router(RoutingConfig(), ENDPOINTS, clock=lambda: 0.0)
+    blind = Router(RoutingConfig(), ENDPOINTS, clock=lambda: 0.0)
+    firsts = [_chat(f"conversation {i} " * 40) for i in range(12)]
+    seconds = [_chat(f"conversation {i} " * 40, "and then?") for i in range(12)]
+    for body in firsts:
+        a.route(parse_request("chat", body))
+    assert b.placements is None  # not shared unless configured: B logs nothing
+    assert b.observe_peer_placements(a.placements.after(0)) == 12
+
+    def served(router: Router, body: bytes) -> str | None:
+        decision = router.route(parse_request("chat", body))
+        router.finish(decision)  # one at a time: no load to balance
+        return decision.endpoint
+
+    with_peer = {served(b, body) for body in seconds}
+    without = {served(blind, body) for body in seconds}
+    assert with_peer == {ENDPOINTS[0].address}
+    assert len(without) > 1  # the rendezvous order spreads them (the check can fail)
+
+
+def test_a_router_skips_its_own_and_unknown_endpoints_placements():
+    router = Router(RoutingConfig(), ENDPOINTS, clock=lambda: 0.0)
+    own = Placement(router.instance, ENDPOINTS[0].address, np.arange(4, dtype=np.uint64))
+    unknown = Placement("other", "10.9.9.9:8000", np.arange(4, dtype=np.uint64))
+    empty = Placement("other", ENDPOINTS[0].address, np.zeros(0, dtype=np.uint64))
+    assert router.observe_peer_placements([own, unknown, empty]) == 0
+    assert router.index.stats().entries == 0
+
+
+async def _serve(app: web.Application) -> tuple[web.AppRunner, int]:
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    return runner, site._server.sockets[0].getsockname()[1]
+
+
+async def test_the_reader_reads_only_new_placements_from_a_peers_admin_port():
+    log = PlacementLog()
+    runner, port = await _serve(build_admin_app(DecisionLog(10), lambda: True, log))
+    heard: list[list[Placement]] = []
+    reader = PeerReader(
+        PeersConfig(addresses=(f"127.0.0.1:{port}",)), lambda *_: None, heard.append
+    )
+    address = f"127.0.0.1:{port}"
+    try:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=2.0)) as session:
+            for round_placements in ([0, 1], [2], []):
+                for i in round_placements:
+                    log.add(_placement(i))
+                reader.record(address, await reader.poll(session, address))
+            async with session.get(f"http://{address}/peer/placements?after=x") as response:
+                assert response.status == 400
+    finally:
+        await runner.cleanup()
+    assert [[int(p.hashes[0]) for p in batch] for batch in heard] == [[0, 1], [2], []]
+
+
+async def test_a_peer_with_a_broken_placements_page_still_counts_its_work():
+    page = "\n".join(
+        [
+            "# TYPE prefix_router_own_queued_work gauge",
+            'prefix_router_own_queued_work{router="r1",endpoint="10.0.0.1:8000"} 5.0',
+        ]
+    )
+
+    async def metrics(_request: web.Request) -> web.Response:
+        return web.Response(text=page)
+
+    async def placements_page(_request: web.Request) -> web.Response:
+        return web.Response(text='{"log": 1}')
+
+    app = web.Application()
+    app.router.add_get("/metrics", metrics)
+    app.router.add_get("/peer/placements", placements_page)
+    runner, port = await _serve(app)
+    work: list[str] = []
+    placements: list[list[Placement]] = []
+    reader = PeerReader(PeersConfig(), lambda router, _: work.append(router), placements.append)
+    try:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=2.0)) as session:
+            answer = await reader.poll(session, f"127.0.0.1:{port}")
+    finally:
+        await runner.cleanup()
+    assert answer.placements is None
+    reader.record(f"127.0.0.1:{port}", answer)
+    assert work == ["r1"] and placements == []
