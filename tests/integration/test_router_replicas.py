@@ -3,7 +3,8 @@
 Without shared state, each router measures its share of the traffic from the replicas' own
 prefill counters (the fake replica exports vLLM's) and, under a half, widens its cold-start
 margin so that its placements of new conversations agree with the other routers'
-(Router._learn_traffic_share). With ``peers`` set, each also counts the others' queued work.
+(Router._learn_traffic_share). With ``peers`` set, each also counts the others' queued work
+and reads their placements into its index.
 """
 
 from __future__ import annotations
@@ -151,6 +152,57 @@ def test_peers_count_each_others_queued_work(tmp_path):
 JSON = {"content-type": "application/json"}
 
 
+def test_a_router_finds_the_conversations_another_router_placed(tmp_path):
+    """Router A (which knows only replica X) starts conversations on X; router B, reading
+    A's placements (peers), sends their second turns to X although its own rendezvous order
+    puts them on Y, where it sends a conversation A never saw."""
+    with Stack(workdir=tmp_path) as stack:
+        x, y = stack.start_replicas(2, FAST)
+        admin = {name: free_port() for name in ("router-a", "router-b")}
+        stack.router_admin_ports.update(admin)
+        envoy_ports = {}
+        for name, other, endpoints in (
+            ("router-a", "router-b", [x]),
+            ("router-b", "router-a", [x, y]),
+        ):
+            args = [
+                *ROUTER_ARGS,
+                *router_args_for("override-host"),
+                *["--set", f"peers.addresses={LOOPBACK}:{admin[other]}"],
+                *["--set", "peers.interval_seconds=0.2"],
+            ]
+            address, _ = stack.start_router(endpoints, name=name, extra_args=args, ready=True)
+            envoy_ports[name], _ = stack.start_proxy(
+                "override-host", endpoints, address, name=f"envoy-{name}"
+            )
+        alone = Router(RoutingConfig(), [EndpointConfig(address=a) for a in (x, y)])
+        conversations = []
+        for i in range(40):
+            first = f"conversation {i} about a topic of its own " * 40
+            second = chat_body(first, "Sure.", "and then?")
+            if alone.route(parse_request("chat", second)).endpoint == y:
+                conversations.append((chat_body(first), second))
+            if len(conversations) == 4:
+                break
+        assert len(conversations) == 4
+        *started, (_, unseen) = conversations
+        for first, _ in started:
+            response = request(envoy_ports["router-a"], first)
+            assert response.status == 200
+            assert response.headers["x-gateway-destination-endpoint-served"] == x
+        read = ("prefix_router_peer_placements_total", ())
+        deadline = time.monotonic() + 10
+        while samples(admin["router-b"]).get(read, 0.0) < len(started):
+            assert time.monotonic() < deadline, "router B never read A's placements"
+            time.sleep(0.1)
+        for _, second in started:
+            response = request(envoy_ports["router-b"], second)
+            assert response.status == 200
+            assert response.headers["x-gateway-destination-endpoint-served"] == x
+        response = request(envoy_ports["router-b"], unseen)
+        assert response.headers["x-gateway-destination-endpoint-served"] == y
+
+
 def _decided_endpoint(admin_port: int) -> str:
     url = f"http://{LOOPBACK}:{admin_port}/metrics"
     deadline = time.monotonic() + 10
@@ -171,13 +223,15 @@ def _queued_work(admin_port: int, endpoint: str) -> float:
 
 def test_sibling_workers_read_each_others_work_through_their_shared_admin_port(tmp_path):
     """--workers 2 with peers pointing at the pod's own admin port: each worker exports its
-    work under its own ``router`` label, skips its own and counts its sibling's."""
+    work under its own ``router`` label, skips its own and counts its sibling's; and the
+    supervisor's placement log, fed by both workers, gives each the other's placements."""
     with Stack(workdir=tmp_path) as stack:
         replicas = stack.start_replicas(2, FAST)
         admin = free_port()
         stack.router_admin_ports["router"] = admin
         args = [*ROUTER_ARGS, "--set", f"peers.addresses={LOOPBACK}:{admin}"]
-        stack.start_router(replicas, workers=2, extra_args=args, ready=True)
+        args += router_args_for("override-host")
+        address, _ = stack.start_router(replicas, workers=2, extra_args=args, ready=True)
         deadline = time.monotonic() + 15
         while True:
             metrics = samples(admin)
@@ -190,6 +244,13 @@ def test_sibling_workers_read_each_others_work_through_their_shared_admin_port(t
             if peers == [1.0, 1.0] and len(routers) == 2:
                 break
             assert time.monotonic() < deadline, (peers, routers)
+            time.sleep(0.2)
+        port, _ = stack.start_proxy("override-host", replicas, address)
+        for i in range(12):  # Envoy spreads its connections over both workers
+            assert request(port, chat_body(f"conversation {i}")).status == 200
+        read = ("prefix_router_peer_placements_total", ())
+        while samples(admin).get(read, 0.0) < 1:
+            assert time.monotonic() < deadline + 15, "no worker read its sibling's placements"
             time.sleep(0.2)
 
 
