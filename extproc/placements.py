@@ -36,6 +36,9 @@ LOG_BLOCKS = 1_000_000
 # At most this many block hashes in one answer (2 MB before base64): a reader that fell far
 # behind (or has just started) gets the newest placements, which are the ones still cached.
 ANSWER_BLOCKS = 262_144
+# A reader takes answers up to this size (a full answer, base64 in JSON, is ~3 MB plus 100
+# bytes a placement); a larger one is dropped like a garbled one.
+MAX_ANSWER_BYTES = 16 * 2**20
 
 
 @dataclass(frozen=True, slots=True)

@@ -19,16 +19,24 @@ Parsed = TypeVar("Parsed")
 
 
 async def fetch_parsed(
-    session: aiohttp.ClientSession, url: str, parse: Callable[[str], Parsed]
+    session: aiohttp.ClientSession,
+    url: str,
+    parse: Callable[[str], Parsed],
+    max_bytes: int | None = None,
 ) -> Parsed | None:
-    """GET ``url`` and parse its text; None for a non-200 answer, a network failure or a
-    page ``parse`` rejects (ValueError), so that a poll never raises."""
+    """GET ``url`` and parse its text; None for a non-200 answer, a network failure, a body
+    over ``max_bytes`` or a page ``parse`` rejects (ValueError), so that a poll never raises."""
     try:
         async with session.get(url) as response:
             if response.status != 200:
                 return None
-            return parse(await response.text())
-    except (aiohttp.ClientError, TimeoutError, OSError, ValueError):
+            if max_bytes is None:
+                return parse(await response.text())
+            body = await response.content.read(max_bytes + 1)
+            if len(body) > max_bytes:
+                return None
+            return parse(body.decode(response.charset or "utf-8"))
+    except (aiohttp.ClientError, TimeoutError, OSError, ValueError, LookupError):
         return None
 
 

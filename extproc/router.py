@@ -556,11 +556,21 @@ class Router:
         """Other router replicas' placements, oldest first: each endpoint now probably holds
         those blocks, as if this router had sent the request there (this router's own, which
         sibling workers' shared log returns too, are skipped). Returns how many were
-        recorded."""
+        recorded. One index update per endpoint for the whole batch (newest placement's
+        blocks newest, each block once, at most the endpoint's capacity): one update per
+        placement cost ~85 us, which at a thousand placements a second held the event loop
+        for most of 0.1 s at every read."""
+        by_position: dict[int, list[np.ndarray]] = {}
         recorded = 0
-        for placement in placements:
+        for placement in reversed(placements):  # newest first
             i = self._position.get(placement.endpoint)
             if i is not None and placement.router != self.instance and len(placement.hashes):
-                self.index.record_position(i, placement.hashes)
+                by_position.setdefault(i, []).append(placement.hashes[: self.config.max_blocks])
                 recorded += 1
+        for i, chains in by_position.items():
+            hashes = np.concatenate(chains).astype(np.uint64, copy=False)
+            _, first = np.unique(hashes, return_index=True)
+            # More than the endpoint holds would only evict the batch's own newer blocks.
+            newest = np.sort(first)[: self._capacity_blocks[i]]
+            self.index.record_position(i, hashes[newest])
         return recorded

@@ -120,6 +120,33 @@ def test_a_router_skips_its_own_and_unknown_endpoints_placements():
     assert router.index.stats().entries == 0
 
 
+def _hashes(seed: int, count: int) -> np.ndarray:
+    """Well-spread 64-bit block hashes (as the router's own are)."""
+    return np.random.default_rng(seed).integers(0, 2**63, count, dtype=np.uint64)
+
+
+def test_a_batch_of_placements_is_recorded_once_per_block_newest_first():
+    """Peers' placements are recorded per endpoint in one update: a block shared by many
+    placements (a system prompt) takes one slot, a placement longer than routing.max_blocks
+    is cut there, and a batch larger than the endpoint's capacity keeps its newest blocks."""
+    config = RoutingConfig(max_blocks=16, default_capacity_tokens=2048)
+    address = ENDPOINTS[0].address
+    router = Router(config, ENDPOINTS[:1], clock=lambda: 0.0)
+    capacity = router.index.capacity(address)
+    shared = _hashes(0, 4)
+    batch = [Placement("peer", address, np.concatenate([shared, _hashes(i, 4)])) for i in (1, 2, 3)]
+    long = _hashes(4, 100)
+    batch.append(Placement("peer", address, long))
+    assert router.observe_peer_placements(batch) == 4
+    assert router.index.stats().entries == 4 + 3 * 4 + 16 <= capacity
+    assert router.index.match(long, [address]) == {address: 16}  # cut at max_blocks
+    # Far more than the endpoint holds: the newest placement's blocks are the ones kept.
+    flood = [Placement("peer", address, _hashes(100 + i, 16)) for i in range(4 * capacity // 16)]
+    router.observe_peer_placements(flood)
+    assert router.index.match(flood[-1].hashes, [address]) == {address: 16}
+    assert router.index.stats().entries <= capacity
+
+
 async def _serve(app: web.Application) -> tuple[web.AppRunner, int]:
     runner = web.AppRunner(app)
     await runner.setup()
@@ -138,18 +165,25 @@ async def test_the_reader_reads_only_new_placements_from_a_peers_admin_port():
     address = f"127.0.0.1:{port}"
     try:
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=2.0)) as session:
-            for round_placements in ([0, 1], [2], []):
+            for round_placements in ([0, 1], [2], [], list(range(3, 3 + 70))):
                 for i in round_placements:
                     log.add(_placement(i))
-                reader.record(address, await reader.poll(session, address))
+                await reader.poll_all(session)
             async with session.get(f"http://{address}/peer/placements?after=x") as response:
                 assert response.status == 400
     finally:
         await runner.cleanup()
-    assert [[int(p.hashes[0]) for p in batch] for batch in heard] == [[0, 1], [2], []]
+    # Nothing new, no call; 70 at once, in slices of 64 (the event loop free in between).
+    assert [[int(p.hashes[0]) for p in batch] for batch in heard] == [
+        [0, 1],
+        [2],
+        list(range(3, 67)),
+        list(range(67, 73)),
+    ]
 
 
-async def test_a_peer_with_a_broken_placements_page_still_counts_its_work():
+@pytest.mark.parametrize("answer", ["garbled", "oversized"])
+async def test_a_peer_with_a_broken_placements_page_still_counts_its_work(answer, monkeypatch):
     page = "\n".join(
         [
             "# TYPE prefix_router_own_queued_work gauge",
@@ -161,7 +195,11 @@ async def test_a_peer_with_a_broken_placements_page_still_counts_its_work():
         return web.Response(text=page)
 
     async def placements_page(_request: web.Request) -> web.Response:
-        return web.Response(text='{"log": 1}')
+        if answer == "garbled":
+            return web.Response(text='{"log": 1}')
+        return web.Response(body=encode("log", 1, [_placement(0, blocks=64)]))
+
+    monkeypatch.setattr("extproc.peers.MAX_ANSWER_BYTES", 256)  # a 64-block answer is ~700
 
     app = web.Application()
     app.router.add_get("/metrics", metrics)
@@ -177,4 +215,4 @@ async def test_a_peer_with_a_broken_placements_page_still_counts_its_work():
         await runner.cleanup()
     assert answer.placements is None
     reader.record(f"127.0.0.1:{port}", answer)
-    assert work == ["r1"] and placements == []
+    assert work == ["r1"] and placements == [] and reader._pending == []

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import http.client
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -121,7 +122,8 @@ def test_peers_count_each_others_queued_work(tmp_path):
             )
         conn = http.client.HTTPConnection(LOOPBACK, envoy_ports["router-a"], timeout=30)
         try:
-            long_stream = chat_body("a long document to summarise " * 60, stream=True)
+            # ~15k tokens: A's charge (half of it counts at B) outweighs B's three requests.
+            long_stream = chat_body("a long document to summarise " * 2000, stream=True)
             conn.request("POST", "/v1/chat/completions", long_stream, JSON)
             stream = conn.getresponse()  # headers now; the prefill takes 2.5 s
             busy = _decided_endpoint(admin["router-a"])
@@ -132,18 +134,22 @@ def test_peers_count_each_others_queued_work(tmp_path):
                 assert time.monotonic() < deadline, "router B never counted A's work"
                 time.sleep(0.05)
             alone = Router(RoutingConfig(), [EndpointConfig(address=a) for a in replicas])
-            sent = 0
+            bodies = []
             for i in range(40):
-                body = chat_body(f"new conversation {i} " * 5)
-                if alone.route(parse_request("chat", body)).endpoint != busy:
-                    continue  # only conversations whose rendezvous pick is the busy replica
-                response = request(envoy_ports["router-b"], body)
+                # Nothing in common with A's stream or each other (not even a system prompt,
+                # which B would know A's replica holds, from A's placements): cold starts.
+                body = chat_body(f"new conversation {i} " * 5, system=f"Be brief, {i}. " * 20)
+                if alone.route(parse_request("chat", body)).endpoint == busy:
+                    bodies.append(body)  # only those whose rendezvous pick is the busy replica
+                if len(bodies) == 3:
+                    break
+            assert len(bodies) == 3
+            # All at once, well inside A's 2.5-s prefill (each of them takes 2.5 s too).
+            with ThreadPoolExecutor(len(bodies)) as pool:
+                responses = list(pool.map(lambda b: request(envoy_ports["router-b"], b), bodies))
+            for response in responses:
                 assert response.status == 200
                 assert response.headers["x-gateway-destination-endpoint-served"] == idle
-                sent += 1
-                if sent == 3:
-                    break
-            assert sent == 3
             assert b"data: [DONE]" in stream.read()
         finally:
             conn.close()
