@@ -159,6 +159,67 @@ def index_memory(endpoints: int, blocks: int, seed: int = 1) -> dict[str, Any]:
     }
 
 
+def _decision_us(router: Router, bodies: list[bytes]) -> float:
+    perf = time.perf_counter_ns
+    started = perf()
+    for body in bodies:
+        router.finish(router.route(parse_request("chat", body)))
+    return (perf() - started) / 1000 / len(bodies)
+
+
+def peer_placements(endpoints: int, requests: int, rounds: int = 5) -> dict[str, Any]:
+    """What sharing placements with peer routers (config ``peers``) costs this router: the
+    mean decision with and without keeping the placement log (alternating rounds, 32 KiB
+    bodies), and recording a second's worth of a peer's placements into the index in the
+    reader's slices (the event loop is blocked for one slice at a time)."""
+    from .peers import placement_slices
+    from .placements import Placement, PlacementLog
+
+    plain, logged = [], []
+    for _ in range(rounds):
+        for keep, out in ((False, plain), (True, logged)):
+            router, bodies = _warmed(32 * KIB, endpoints, requests)
+            router.placements = PlacementLog() if keep else None
+            gc.collect()
+            out.append(_decision_us(router, bodies[requests:]))
+    rng = np.random.default_rng(1)
+    recording = []
+    for count, blocks in ((1000, 20), (100, 373)):
+        router = Router(RoutingConfig(), _endpoints(endpoints))
+        addresses = router.endpoints
+        totals, longest = [], []
+        for _ in range(rounds):
+            placements = [
+                Placement(
+                    "peer",
+                    addresses[i % endpoints],
+                    rng.integers(1, 2**63, blocks, dtype=np.uint64),
+                )
+                for i in range(count)
+            ]
+            slices = []
+            for piece in placement_slices(placements):
+                started = time.perf_counter()
+                router.observe_peer_placements(piece)
+                slices.append(time.perf_counter() - started)
+            totals.append(1000 * sum(slices))
+            longest.append(1000 * max(slices))
+        recording.append(
+            {
+                "placements": count,
+                "blocks_each": blocks,
+                "total_ms": [round(t, 2) for t in totals],
+                "longest_slice_ms": [round(t, 2) for t in longest],
+            }
+        )
+    return {
+        "endpoints": endpoints,
+        "decision_us_without_log": [round(t, 1) for t in plain],
+        "decision_us_with_log": [round(t, 1) for t in logged],
+        "recording": recording,
+    }
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--sizes", default="2,32,1024", help="body sizes in KiB")
     parser.add_argument("--endpoints", default="4,64,512", help="endpoint counts")
@@ -174,6 +235,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--profile",
         action="store_true",
         help="also print each stage's share of the decision (cProfile) for the largest cell",
+    )
+    parser.add_argument(
+        "--peer-placements",
+        action="store_true",
+        help="also measure what sharing placements with peer routers costs (decision with "
+        "and without the log; recording a peer's placements, per reader slice)",
     )
     parser.add_argument("--json", metavar="FILE")
 
@@ -214,6 +281,18 @@ def run(args: argparse.Namespace) -> int:
             f"RSS growth {memory['rss_growth_bytes'] / 2**20:.1f} MiB "
             f"(filled in {memory['fill_seconds']} s)"
         )
+    if args.peer_placements:
+        count = max(counts) if max(counts) <= 64 else 64
+        shared = peer_placements(count, max(50, requests // 4))
+        doc["peer_placements"] = shared
+        print(f"peer placements, {count} endpoints (five alternating rounds):")
+        print(f"  decision, 32 KiB, no log   us: {shared['decision_us_without_log']}")
+        print(f"  decision, 32 KiB, with log us: {shared['decision_us_with_log']}")
+        for row in shared["recording"]:
+            print(
+                f"  recording {row['placements']} placements x {row['blocks_each']} blocks: "
+                f"total ms {row['total_ms']}, longest slice ms {row['longest_slice_ms']}"
+            )
     if args.json:
         Path(args.json).write_text(json.dumps(doc, indent=2))
     return 0

@@ -24,6 +24,7 @@ def test_bench_core_short(tmp_path):
                 "--index-memory",
                 "4,2000",
                 "--profile",
+                "--peer-placements",
                 "--json",
                 str(out),
             ]
@@ -31,6 +32,10 @@ def test_bench_core_short(tmp_path):
         == 0
     )
     doc = json.loads(out.read_text())
+    shared = doc["peer_placements"]
+    assert len(shared["decision_us_without_log"]) == len(shared["decision_us_with_log"]) == 5
+    for row in shared["recording"]:
+        assert 0 < max(row["longest_slice_ms"]) <= max(row["total_ms"])
     shares = doc["profile"]["shares"]
     assert abs(sum(shares.values()) - 1.0) < 1e-6 and shares["block hashing"] > 0
     memory = doc["index_memory"]

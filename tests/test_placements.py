@@ -155,7 +155,8 @@ async def _serve(app: web.Application) -> tuple[web.AppRunner, int]:
     return runner, site._server.sockets[0].getsockname()[1]
 
 
-async def test_the_reader_reads_only_new_placements_from_a_peers_admin_port():
+async def test_the_reader_reads_only_new_placements_from_a_peers_admin_port(monkeypatch):
+    monkeypatch.setattr("extproc.peers.BLOCKS_PER_SLICE", 64 * 3)  # 64 placements of 3
     log = PlacementLog()
     runner, port = await _serve(build_admin_app(DecisionLog(10), lambda: True, log))
     heard: list[list[Placement]] = []
