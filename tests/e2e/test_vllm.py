@@ -252,3 +252,93 @@ def test_two_router_replicas_measure_their_share_of_vllms_traffic(
             assert time.monotonic() < deadline, readings
             time.sleep(0.5)
         print(f"two routers on vLLM: {readings}")
+
+
+def _hits(address: str) -> float:
+    parsed = signals.parse_metrics(_get(f"http://{address}/metrics"))
+    assert parsed.hits is not None
+    return parsed.hits
+
+
+def _served_chat(port: int, messages: list[dict]) -> str:
+    body = orjson.dumps({"model": lab.SERVED_MODEL_NAME, "messages": messages, "max_tokens": 4})
+    conn = http.client.HTTPConnection(LOOPBACK, port, timeout=120)
+    try:
+        conn.request("POST", "/v1/chat/completions", body, {"content-type": "application/json"})
+        response = conn.getresponse()
+        assert response.status == 200, response.read()
+        response.read()
+        return response.headers["x-gateway-destination-endpoint-served"]
+    finally:
+        conn.close()
+
+
+def test_a_router_continues_on_vllm_the_conversations_its_peer_started(
+    vllm_endpoints: list[str],
+) -> None:
+    """Router A (which knows only server X) starts conversations there; router B, reading A's
+    placements (peers), sends their second turns to X too, although its own rendezvous order
+    says Y, and vLLM on X counts those turns' shared prefix as cache hits."""
+    from extproc.config import EndpointConfig, RoutingConfig
+    from extproc.prompt import parse_request
+    from extproc.router import Router
+
+    x, y = vllm_endpoints
+    alone = Router(RoutingConfig(), [EndpointConfig(address=a) for a in (x, y)])
+    conversations = []
+    for i in range(60):
+        first = [
+            {"role": "system", "content": f"You are assistant number {i}. " * 20},
+            {"role": "user", "content": f"Tell me about topic {i}, in detail. " * 25},
+        ]
+        second = [*first, {"role": "assistant", "content": "Sure."}]
+        second.append({"role": "user", "content": "And then?"})
+        body = orjson.dumps({"model": lab.SERVED_MODEL_NAME, "messages": second})
+        if alone.route(parse_request("chat", body)).endpoint == y:
+            conversations.append((first, second))
+        if len(conversations) == 3:
+            break
+    assert len(conversations) == 3
+    with Stack() as stack:
+        admin = {name: free_port() for name in ("router-a", "router-b")}
+        stack.router_admin_ports.update(admin)
+        ports = {}
+        for name, other, endpoints in (
+            ("router-a", "router-b", [x]),
+            ("router-b", "router-a", [x, y]),
+        ):
+            address, _ = stack.start_router(
+                endpoints,
+                name=name,
+                ready=True,
+                extra_args=[
+                    *["--set", f"peers.addresses={LOOPBACK}:{admin[other]}"],
+                    *["--set", "peers.interval_seconds=0.2"],
+                ],
+            )
+            ports[name], _ = stack.start_proxy(
+                "override-host", endpoints, address, name=f"envoy-{name}"
+            )
+        for first, _ in conversations:
+            assert _served_chat(ports["router-a"], first) == x
+        deadline = time.monotonic() + 30
+        while True:
+            read = {
+                s.name: s.value
+                for f in text_string_to_metric_families(
+                    _get(f"http://{LOOPBACK}:{admin['router-b']}/metrics")
+                )
+                for s in f.samples
+            }.get("prefix_router_peer_placements_total", 0.0)
+            if read >= len(conversations):
+                break
+            assert time.monotonic() < deadline, "router B never read A's placements"
+            time.sleep(0.2)
+        before = _hits(x)
+        served = [_served_chat(ports["router-b"], second) for _, second in conversations]
+        time.sleep(1.0)
+        gained = _hits(x) - before
+    print(f"second turns served by {served}; vLLM on X counted {gained} more cached tokens")
+    assert served == [x] * len(conversations)
+    # Each second turn's first ~300 tokens were prefilled on X by its first turn.
+    assert gained >= 200 * len(conversations)
