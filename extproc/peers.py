@@ -25,7 +25,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from .config import PeersConfig
 from .discovery import getaddrinfo_resolver
-from .placements import MAX_ANSWER_BYTES, PLACEMENTS_PATH, Placement, decode
+from .placements import MAX_ANSWER_BYTES, PLACEMENTS_PATH, Placement, PlacementAnswer, decode
 from .poller import EndpointPoller, fetch_parsed
 
 log = logging.getLogger(__name__)
@@ -69,8 +69,8 @@ def parse_peer_work(text: str) -> PeerWork:
 @dataclass(frozen=True, slots=True)
 class PeerAnswer:
     work: PeerWork | None  # None: /metrics did not answer (or not in the format)
-    # (log, last, placements) from /peer/placements; None when not read or not answered.
-    placements: tuple[str, int, list[Placement]] | None = None
+    # From /peer/placements; None when not read or not answered.
+    placements: PlacementAnswer | None = None
 
 
 class PeerReader(EndpointPoller[PeerAnswer]):
@@ -81,7 +81,10 @@ class PeerReader(EndpointPoller[PeerAnswer]):
         config: PeersConfig,
         on_work: Callable[[str, dict[str, float]], None],
         on_placements: Callable[[list[Placement]], None] | None = None,
+        scheme: str = "",
     ) -> None:
+        """``on_placements`` gets the placements of peers whose hashes are made as
+        ``scheme`` says (placements.hash_scheme); others are skipped, with a warning."""
         # The addresses of this round: the static list plus what dns_name resolved to.
         self._addresses_now: list[str] = list(config.addresses)
         super().__init__(
@@ -90,6 +93,8 @@ class PeerReader(EndpointPoller[PeerAnswer]):
         self.config = config
         self._on_work = on_work
         self._on_placements = on_placements
+        self._scheme = scheme
+        self._foreign: set[str] = set()  # peers warned about for another hash scheme
         self._answering: dict[str, bool] = {}
         # Per peer address: the placement log read and the last placement number seen.
         self._seen: dict[str, tuple[str, int]] = {}
@@ -133,7 +138,19 @@ class PeerReader(EndpointPoller[PeerAnswer]):
             self._answering[address] = answering
         for router, work in (result.work or {}).items():
             self._on_work(router, work)
-        if result.placements is not None and self._on_placements is not None:
-            log_id, last, placements = result.placements
-            self._seen[address] = (log_id, last)
-            self._pending += placements
+        answer = result.placements
+        if answer is None or self._on_placements is None:
+            return
+        self._seen[address] = (answer.log, answer.last)
+        if answer.scheme == self._scheme:
+            self._pending += answer.placements
+            self._foreign.discard(address)
+        elif address not in self._foreign:
+            log.warning(
+                "peer router %s hashes prompts as %s, this one as %s (another "
+                "routing.block_size_bytes?): its placements are skipped",
+                address,
+                answer.scheme,
+                self._scheme,
+            )
+            self._foreign.add(address)

@@ -10,9 +10,12 @@ numbered so that a reader asks only for what it has not seen, and bounded by blo
 hashes of a 191k-token prompt are 12 kB), so memory stays fixed whatever the traffic.
 
 Wire format (``GET /peer/placements?after=N&log=ID`` on the admin port), JSON:
-``{"log": ID, "last": N, "placements": [[router, endpoint, base64 of uint64 LE], ...]}``,
-oldest first. ``log`` names the log (a restarted replica starts a new one, numbered from 1),
-so a reader that sends another log's number gets the newest placements instead.
+``{"log": ID, "last": N, "scheme": S, "placements": [[router, endpoint, base64 of uint64 LE],
+...]}``, oldest first. ``log`` names the log (a restarted replica starts a new one, numbered
+from 1), so a reader that sends another log's number gets the newest placements instead.
+``scheme`` names how the hashes were made (hash_scheme): a peer configured with another
+block size hashes the same prompt differently, and its placements would only take index
+slots that nothing matches (during a rolling change of routing.block_size_bytes, say).
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ import threading
 import uuid
 from collections import deque
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import orjson
@@ -41,6 +44,11 @@ ANSWER_BLOCKS = 262_144
 MAX_ANSWER_BYTES = 16 * 2**20
 
 
+def hash_scheme(block_size_bytes: int) -> str:
+    """What two routers' block hashes must share to mean the same prompt blocks."""
+    return f"xxh3-64/{block_size_bytes}"
+
+
 @dataclass(frozen=True, slots=True)
 class Placement:
     router: str  # the router instance that made it
@@ -49,8 +57,11 @@ class Placement:
 
 
 class PlacementLog:
-    def __init__(self, max_blocks: int = LOG_BLOCKS, max_placements: int = LOG_PLACEMENTS) -> None:
+    def __init__(
+        self, scheme: str = "", max_blocks: int = LOG_BLOCKS, max_placements: int = LOG_PLACEMENTS
+    ) -> None:
         self.id = uuid.uuid4().hex[:12]
+        self.scheme = scheme
         self.max_blocks = max_blocks
         self.max_placements = max_placements
         self._entries: deque[tuple[int, Placement]] = deque()
@@ -89,24 +100,38 @@ class PlacementLog:
         """The JSON answer to a reader that has seen up to ``after`` of log ``log``."""
         last = self.last  # read first: a placement added meanwhile is sent again, not lost
         since = after if log == self.id else 0
-        return encode(self.id, last, self.after(since))
+        return encode(PlacementAnswer(self.id, last, self.scheme, self.after(since)))
 
 
-def encode(log: str, last: int, placements: list[Placement]) -> bytes:
+class PlacementAnswer(NamedTuple):
+    log: str
+    last: int
+    scheme: str
+    placements: list[Placement]
+
+
+def encode(answer: PlacementAnswer) -> bytes:
     rows = [
         [p.router, p.endpoint, base64.b64encode(p.hashes.astype("<u8").tobytes()).decode()]
-        for p in placements
+        for p in answer.placements
     ]
-    return orjson.dumps({"log": log, "last": last, "placements": rows})
+    return orjson.dumps(
+        {"log": answer.log, "last": answer.last, "scheme": answer.scheme, "placements": rows}
+    )
 
 
-def decode(body: str | bytes) -> tuple[str, int, list[Placement]]:
-    """(log, last, placements) of an answer; ValueError for anything malformed."""
+def decode(body: str | bytes) -> PlacementAnswer:
+    """An answer, parsed; ValueError for anything malformed."""
     try:
         doc: Any = orjson.loads(body)
-        log, last, rows = doc["log"], doc["last"], doc["placements"]
-        if not isinstance(log, str) or not isinstance(last, int) or not isinstance(rows, list):
-            raise ValueError("log, last or placements has the wrong type")
+        log, last, scheme, rows = doc["log"], doc["last"], doc["scheme"], doc["placements"]
+        if not (
+            isinstance(log, str)
+            and isinstance(last, int)
+            and isinstance(scheme, str)
+            and isinstance(rows, list)
+        ):
+            raise ValueError("log, last, scheme or placements has the wrong type")
         out = []
         for router, endpoint, hashes in rows:
             raw = base64.b64decode(hashes, validate=True)
@@ -117,4 +142,4 @@ def decode(body: str | bytes) -> tuple[str, int, list[Placement]]:
             )
     except (orjson.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
         raise ValueError(f"not a placements answer: {exc}") from exc
-    return log, last, out
+    return PlacementAnswer(log, last, scheme, out)

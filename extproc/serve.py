@@ -36,7 +36,7 @@ from .discovery import source_from_config
 from .endpoints import HealthChecker
 from .metrics import MULTIPROC_ENV, RouterMetrics
 from .peers import PeerReader
-from .placements import Placement, PlacementLog
+from .placements import Placement, PlacementLog, hash_scheme
 from .router import Router
 from .server import ExternalProcessorService, Outcome
 from .signals import EndpointSignals, MetricsScraper
@@ -118,9 +118,10 @@ class RouterService:
             config.peers,
             self.router.observe_peer_work,
             self._on_peer_placements if sharing else None,
+            scheme=hash_scheme(config.routing.block_size_bytes),
         )
         if sharing:
-            self.router.placements = PlacementLog()
+            self.router.placements = PlacementLog(hash_scheme(config.routing.block_size_bytes))
         # A worker hands its placements to the supervisor, whose admin port serves them.
         self._placement_sink = placement_sink if sharing else None
         self._placements_forwarded = 0
@@ -330,7 +331,7 @@ class _Supervisor:
         self.decisions = DecisionLog(config.server.decisions_kept)
         # Every worker's placements (one batch a second each), served to peer routers.
         self.placement_queue = self.ctx.Queue(maxsize=64)
-        self.placements = PlacementLog()
+        self.placements = PlacementLog(hash_scheme(config.routing.block_size_bytes))
         self.stopping = False
         self.workers: list[multiprocessing.process.BaseProcess] = []
 

@@ -12,7 +12,7 @@ from aiohttp import web
 from extproc.admin import DecisionLog, build_admin_app
 from extproc.config import EndpointConfig, PeersConfig, RoutingConfig
 from extproc.peers import PeerReader
-from extproc.placements import Placement, PlacementLog, decode, encode
+from extproc.placements import Placement, PlacementAnswer, PlacementLog, decode, encode, hash_scheme
 from extproc.prompt import parse_request
 from extproc.router import Router
 
@@ -46,22 +46,25 @@ def test_the_log_is_bounded_by_blocks_and_answers_what_follows_a_number():
 
 def test_the_wire_format_round_trips_and_rejects_anything_else():
     big = Placement("r1", "[::1]:8000", np.array([0, 1, 2**64 - 1], dtype=np.uint64))
-    log_id, last, placements = decode(encode("abc", 7, [big, _placement(1)]))
-    assert (log_id, last) == ("abc", 7)
+    answer = decode(encode(PlacementAnswer("abc", 7, "xxh3-64/512", [big, _placement(1)])))
+    assert (answer.log, answer.last, answer.scheme) == ("abc", 7, "xxh3-64/512")
+    placements = answer.placements
     assert placements[0].router == "r1" and placements[0].endpoint == "[::1]:8000"
     assert placements[0].hashes.dtype == np.uint64
     assert placements[0].hashes.tolist() == [0, 1, 2**64 - 1]
     for bad in [
         b"not json",
         b"[]",
-        orjson.dumps({"log": "a", "last": 1}),
-        orjson.dumps({"log": 1, "last": 1, "placements": []}),
-        orjson.dumps({"log": "a", "last": "1", "placements": []}),
-        orjson.dumps({"log": "a", "last": 1, "placements": [["r", "e"]]}),
-        orjson.dumps({"log": "a", "last": 1, "placements": [["r", "e", "***"]]}),
-        orjson.dumps({"log": "a", "last": 1, "placements": [["r", "e", "AAAA"]]}),  # 3 bytes
-        orjson.dumps({"log": "a", "last": 1, "placements": [[1, "e", ""]]}),
-        orjson.dumps({"log": "a", "last": 1, "placements": [7]}),
+        orjson.dumps({"log": "a", "last": 1, "scheme": ""}),
+        orjson.dumps({"log": "a", "last": 1, "placements": []}),
+        orjson.dumps({"log": 1, "last": 1, "scheme": "", "placements": []}),
+        orjson.dumps({"log": "a", "last": "1", "scheme": "", "placements": []}),
+        orjson.dumps({"log": "a", "last": 1, "scheme": 5, "placements": []}),
+        orjson.dumps({"log": "a", "last": 1, "scheme": "", "placements": [["r", "e"]]}),
+        orjson.dumps({"log": "a", "last": 1, "scheme": "", "placements": [["r", "e", "***"]]}),
+        orjson.dumps({"log": "a", "last": 1, "scheme": "", "placements": [["r", "e", "AAAA"]]}),
+        orjson.dumps({"log": "a", "last": 1, "scheme": "", "placements": [[1, "e", ""]]}),
+        orjson.dumps({"log": "a", "last": 1, "scheme": "", "placements": [7]}),
     ]:
         with pytest.raises(ValueError, match="not a placements answer"):
             decode(bad)
@@ -73,8 +76,8 @@ def test_a_reader_of_another_log_gets_the_newest_placements():
     log = PlacementLog()
     for i in range(3):
         log.add(_placement(i))
-    assert len(decode(log.answer(2, log.id))[2]) == 1
-    assert len(decode(log.answer(2, "an-older-log"))[2]) == 3
+    assert len(decode(log.answer(2, log.id)).placements) == 1
+    assert len(decode(log.answer(2, "an-older-log")).placements) == 3
 
 
 def _chat(text: str, *turns: str) -> bytes:
@@ -183,6 +186,32 @@ async def test_the_reader_reads_only_new_placements_from_a_peers_admin_port(monk
     ]
 
 
+async def test_placements_hashed_another_way_are_skipped_with_a_warning(caplog):
+    """A peer with another routing.block_size_bytes hashes the same prompts differently:
+    its placements would only fill index slots. The reader skips them (and says so once),
+    and takes them again once the peer hashes as this router does."""
+    log = PlacementLog(hash_scheme(256))
+    runner, port = await _serve(build_admin_app(DecisionLog(10), lambda: True, log))
+    address = f"127.0.0.1:{port}"
+    heard: list[list[Placement]] = []
+    reader = PeerReader(
+        PeersConfig(addresses=(address,)), lambda *_: None, heard.append, hash_scheme(512)
+    )
+    try:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=2.0)) as session:
+            for i in range(2):
+                log.add(_placement(i))
+                await reader.poll_all(session)
+            log.scheme = hash_scheme(512)  # the peer now hashes as this router does
+            log.add(_placement(2))
+            await reader.poll_all(session)
+    finally:
+        await runner.cleanup()
+    assert [[int(p.hashes[0]) for p in batch] for batch in heard] == [[2]]
+    warnings = [r for r in caplog.records if "hashes prompts as xxh3-64/256" in r.getMessage()]
+    assert len(warnings) == 1
+
+
 @pytest.mark.parametrize("answer", ["garbled", "oversized"])
 async def test_a_peer_with_a_broken_placements_page_still_counts_its_work(answer, monkeypatch):
     page = "\n".join(
@@ -198,7 +227,7 @@ async def test_a_peer_with_a_broken_placements_page_still_counts_its_work(answer
     async def placements_page(_request: web.Request) -> web.Response:
         if answer == "garbled":
             return web.Response(text='{"log": 1}')
-        return web.Response(body=encode("log", 1, [_placement(0, blocks=64)]))
+        return web.Response(body=encode(PlacementAnswer("log", 1, "", [_placement(0, 64)])))
 
     monkeypatch.setattr("extproc.peers.MAX_ANSWER_BYTES", 256)  # a 64-block answer is ~700
 
