@@ -20,6 +20,7 @@ from extproc.metrics import RouterMetrics
 from extproc.peers import PeerReader, parse_peer_work
 from extproc.prompt import parse_request
 from extproc.router import Router
+from extproc.serve import siblings_as_peers
 from extproc.stack import free_port
 
 ENDPOINTS = [EndpointConfig(address=f"10.0.0.{i}:8000") for i in range(1, 4)]
@@ -121,3 +122,23 @@ async def test_the_reader_counts_answering_peers_and_skips_broken_or_dead_ones()
     for name, work in heard:
         router.observe_peer_work(name, work)
     assert router.peers() == ["r1"]
+
+
+def test_worker_processes_are_each_others_peers_unless_peers_is_set():
+    def peers_of(data: dict) -> tuple[tuple[str, ...], str | None]:
+        config = siblings_as_peers(Config.model_validate(data))
+        return config.peers.addresses, config.peers.dns_name
+
+    workers = {"workers": 2, "admin_listen": "0.0.0.0:9003"}
+    assert peers_of({"server": workers}) == (("127.0.0.1:9003",), None)
+    assert peers_of({"server": {**workers, "admin_listen": "[::]:9003"}}) == (("[::1]:9003",), None)
+    assert peers_of({"server": {**workers, "admin_listen": "10.1.2.3:9003"}}) == (
+        ("10.1.2.3:9003",),
+        None,
+    )
+    # One process, no admin port, an ephemeral one, or peers already set: unchanged.
+    assert peers_of({"server": {**workers, "workers": 1}}) == ((), None)
+    assert peers_of({"server": {**workers, "admin_listen": ""}}) == ((), None)
+    assert peers_of({"server": {**workers, "admin_listen": "127.0.0.1:0"}}) == ((), None)
+    dns = {"dns_name": "prefix-router-peers", "dns_port": 9003}
+    assert peers_of({"server": workers, "peers": dns}) == ((), "prefix-router-peers")

@@ -13,6 +13,7 @@ import http.client
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from extproc import bench_live
@@ -227,16 +228,19 @@ def _queued_work(admin_port: int, endpoint: str) -> float:
     return metrics.get(("prefix_router_endpoint_queued_work", (("endpoint", endpoint),)), 0.0)
 
 
-def test_sibling_workers_read_each_others_work_through_their_shared_admin_port(tmp_path):
-    """--workers 2 with peers pointing at the pod's own admin port: each worker exports its
-    work under its own ``router`` label, skips its own and counts its sibling's; and the
-    supervisor's placement log, fed by both workers, gives each the other's placements."""
+@pytest.mark.parametrize("peers", ["unset", "own admin port"])
+def test_sibling_workers_read_each_others_work_through_their_shared_admin_port(tmp_path, peers):
+    """--workers 2, with peers unset (the workers then read the pod's own admin port,
+    serve.siblings_as_peers) or pointing there: each worker exports its work under its own
+    ``router`` label, skips its own and counts its sibling's; and the supervisor's placement
+    log, fed by both workers, gives each the other's placements."""
     with Stack(workdir=tmp_path) as stack:
         replicas = stack.start_replicas(2, FAST)
         admin = free_port()
         stack.router_admin_ports["router"] = admin
-        args = [*ROUTER_ARGS, "--set", f"peers.addresses={LOOPBACK}:{admin}"]
-        args += router_args_for("override-host")
+        args = [*ROUTER_ARGS, *router_args_for("override-host")]
+        if peers == "own admin port":
+            args += ["--set", f"peers.addresses={LOOPBACK}:{admin}"]
         address, _ = stack.start_router(replicas, workers=2, extra_args=args, ready=True)
         deadline = time.monotonic() + 15
         while True:
