@@ -311,6 +311,22 @@ class Stack:
         )
         return self.start_envoy(settings, name=name or f"envoy-{mode}-{body_mode}")
 
+    def start_peer_routers(
+        self, endpoints: dict[str, Sequence[str]], extra_args: Sequence[str] = ()
+    ) -> dict[str, int]:
+        """Routers (name -> its endpoints) that are each other's peers, each behind its own
+        override-host Envoy (``envoy-<name>``); returns each router's Envoy port (admin ports
+        in ``router_admin_ports``)."""
+        admin = {name: free_port() for name in endpoints}
+        self.router_admin_ports.update(admin)
+        ports = {}
+        for name, own in endpoints.items():
+            others = ",".join(f"{LOOPBACK}:{admin[n]}" for n in endpoints if n != name)
+            args = [*extra_args, "--set", f"peers.addresses={others}"]
+            address, _ = self.start_router(own, name=name, extra_args=args, ready=True)
+            ports[name], _ = self.start_proxy("override-host", own, address, name=f"envoy-{name}")
+        return ports
+
     def start_envoy(
         self, options: envoyconf.EnvoyOptions, name: str = "envoy"
     ) -> tuple[int, ManagedProcess]:

@@ -15,6 +15,7 @@ from extproc.sim.policies import (
     ALL_POLICIES,
     PolicyContext,
     PromptBytes,
+    RouterGroup,
     ideal_hit_tokens,
     make_policy,
 )
@@ -116,18 +117,23 @@ def test_the_audit_checks_each_decision_against_the_true_caches(small_chat: Work
     assert oracle.off_best_holder == 0 and oracle.tokens_lost == 0
 
 
+def _three_routers(
+    workload: Workload, requests: int, **sharing: bool
+) -> tuple[PolicyContext, RouterGroup]:
+    """Three instances of ours on four replicas, after ``requests`` of ``workload``."""
+    ctx = PolicyContext(
+        [Replica(i, 20_000, CostModel()) for i in range(4)], random.Random(0), 20_000, **sharing
+    )
+    group = make_policy("ours", ctx, 3, 16)
+    for request in workload.requests[:requests]:
+        ctx.now = request.arrival_s
+        group.route(request, request.arrival_s)
+    return ctx, group
+
+
 def test_shared_queues_wire_each_router_replica_to_the_others(small_chat: Workload) -> None:
     for share in (False, True):
-        ctx = PolicyContext(
-            [Replica(i, 20_000, CostModel()) for i in range(4)],
-            random.Random(0),
-            20_000,
-            share_queues=share,
-        )
-        group = make_policy("ours", ctx, 3, 16)
-        for request in small_chat.requests[:30]:
-            ctx.now = request.arrival_s
-            group.route(request, request.arrival_s)
+        _, group = _three_routers(small_chat, 30, share_queues=share)
         for instance in group.instances:
             heard = instance.router.peers()
             expected = {p.router.instance for p in group.instances if p is not instance}
@@ -139,16 +145,7 @@ def test_router_replicas_share_placements_only_when_asked(small_chat: Workload) 
     index: every instance's index then holds every request's blocks, not a third."""
     entries = {}
     for share in (False, True):
-        ctx = PolicyContext(
-            [Replica(i, 20_000, CostModel()) for i in range(4)],
-            random.Random(0),
-            20_000,
-            share_placements=share,
-        )
-        group = make_policy("ours", ctx, 3, 16)
-        for request in small_chat.requests[:30]:
-            ctx.now = request.arrival_s
-            group.route(request, request.arrival_s)
+        ctx, group = _three_routers(small_chat, 30, share_placements=share)
         ctx.now += 2.0  # past the next read: each reads what the others placed
         group.route(small_chat.requests[30], ctx.now)
         entries[share] = [i.router.index.stats().entries for i in group.instances]

@@ -20,7 +20,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from extproc import bench_live, lab, signals
-from extproc.stack import LOOPBACK, Stack, free_port
+from extproc.stack import LOOPBACK, Stack
 from extproc.workload import ChatWorkload
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.timeout(1500)]
@@ -204,23 +204,10 @@ def test_two_router_replicas_measure_their_share_of_vllms_traffic(
     """Two routers, each behind its own Envoy, peers of each other: each measures about half
     of the requests vLLM reports finishing, raises its cold-start margin, and hears its peer."""
     with Stack() as stack:
-        admin = {name: free_port() for name in ("router-a", "router-b")}
-        stack.router_admin_ports.update(admin)
-        ports = []
-        for name, other in (("router-a", "router-b"), ("router-b", "router-a")):
-            address, _ = stack.start_router(
-                vllm_endpoints,
-                name=name,
-                ready=True,
-                extra_args=[
-                    *["--set", "signals.interval_seconds=0.5"],
-                    *["--set", f"peers.addresses={LOOPBACK}:{admin[other]}"],
-                ],
-            )
-            port, _ = stack.start_proxy(
-                "override-host", vllm_endpoints, address, name=f"envoy-{name}"
-            )
-            ports.append(port)
+        endpoints = {"router-a": vllm_endpoints, "router-b": vllm_endpoints}
+        envoys = stack.start_peer_routers(endpoints, ["--set", "signals.interval_seconds=0.5"])
+        admin = {name: stack.router_admin_ports[name] for name in endpoints}
+        ports = list(envoys.values())
         for i in range(24):  # one at a time: what finished equals what was sent
             reply = _chat(f"{LOOPBACK}:{ports[i % 2]}", f"question {i}: name a colour.")
             assert reply["choices"], reply
@@ -300,25 +287,10 @@ def test_a_router_continues_on_vllm_the_conversations_its_peer_started(
             break
     assert len(conversations) == 3
     with Stack() as stack:
-        admin = {name: free_port() for name in ("router-a", "router-b")}
-        stack.router_admin_ports.update(admin)
-        ports = {}
-        for name, other, endpoints in (
-            ("router-a", "router-b", [x]),
-            ("router-b", "router-a", [x, y]),
-        ):
-            address, _ = stack.start_router(
-                endpoints,
-                name=name,
-                ready=True,
-                extra_args=[
-                    *["--set", f"peers.addresses={LOOPBACK}:{admin[other]}"],
-                    *["--set", "peers.interval_seconds=0.2"],
-                ],
-            )
-            ports[name], _ = stack.start_proxy(
-                "override-host", endpoints, address, name=f"envoy-{name}"
-            )
+        ports = stack.start_peer_routers(
+            {"router-a": [x], "router-b": [x, y]}, ["--set", "peers.interval_seconds=0.2"]
+        )
+        admin = stack.router_admin_ports
         for first, _ in conversations:
             assert _served_chat(ports["router-a"], first) == x
         deadline = time.monotonic() + 30

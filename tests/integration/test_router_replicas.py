@@ -104,23 +104,15 @@ def test_peers_count_each_others_queued_work(tmp_path):
     with Stack(workdir=tmp_path) as stack:
         slow_prefill = ["--base-ttft-ms", "2500", "--decode-ms-per-token", "1"]
         replicas = stack.start_replicas(2, slow_prefill)
-        admin = {name: free_port() for name in ("router-a", "router-b")}
-        stack.router_admin_ports.update(admin)
-        envoy_ports = {}
-        for name, other in (("router-a", "router-b"), ("router-b", "router-a")):
-            args = [
-                *ROUTER_ARGS,
-                *router_args_for("override-host"),
-                # A slow drain keeps A's charge for the whole test, whatever the machine.
-                *["--set", "routing.prefill_tokens_per_second=50"],
-                *["--set", "routing.learn_prefill_rate=false"],
-                *["--set", f"peers.addresses={LOOPBACK}:{admin[other]}"],
-                *["--set", "peers.interval_seconds=0.2"],
-            ]
-            address, _ = stack.start_router(replicas, name=name, extra_args=args, ready=True)
-            envoy_ports[name], _ = stack.start_proxy(
-                "override-host", replicas, address, name=f"envoy-{name}"
-            )
+        args = [
+            *ROUTER_ARGS,
+            # A slow drain keeps A's charge for the whole test, whatever the machine.
+            *["--set", "routing.prefill_tokens_per_second=50"],
+            *["--set", "routing.learn_prefill_rate=false"],
+            *["--set", "peers.interval_seconds=0.2"],
+        ]
+        envoy_ports = stack.start_peer_routers({"router-a": replicas, "router-b": replicas}, args)
+        admin = stack.router_admin_ports
         conn = http.client.HTTPConnection(LOOPBACK, envoy_ports["router-a"], timeout=30)
         try:
             # ~15k tokens: A's charge (half of it counts at B) outweighs B's three requests.
@@ -165,23 +157,9 @@ def test_a_router_finds_the_conversations_another_router_placed(tmp_path):
     puts them on Y, where it sends a conversation A never saw."""
     with Stack(workdir=tmp_path) as stack:
         x, y = stack.start_replicas(2, FAST)
-        admin = {name: free_port() for name in ("router-a", "router-b")}
-        stack.router_admin_ports.update(admin)
-        envoy_ports = {}
-        for name, other, endpoints in (
-            ("router-a", "router-b", [x]),
-            ("router-b", "router-a", [x, y]),
-        ):
-            args = [
-                *ROUTER_ARGS,
-                *router_args_for("override-host"),
-                *["--set", f"peers.addresses={LOOPBACK}:{admin[other]}"],
-                *["--set", "peers.interval_seconds=0.2"],
-            ]
-            address, _ = stack.start_router(endpoints, name=name, extra_args=args, ready=True)
-            envoy_ports[name], _ = stack.start_proxy(
-                "override-host", endpoints, address, name=f"envoy-{name}"
-            )
+        args = [*ROUTER_ARGS, "--set", "peers.interval_seconds=0.2"]
+        envoy_ports = stack.start_peer_routers({"router-a": [x], "router-b": [x, y]}, args)
+        admin = stack.router_admin_ports
         alone = Router(RoutingConfig(), [EndpointConfig(address=a) for a in (x, y)])
         conversations = []
         for i in range(40):
