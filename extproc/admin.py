@@ -87,13 +87,14 @@ def build_admin_app(
             body=orjson.dumps({"decisions": records}), content_type="application/json"
         )
 
+    shared = placements if placements is not None else PlacementLog()  # empty: not shared
+
     async def peer_placements(request: web.Request) -> web.Response:
         try:
             after = int(request.query.get("after", "0"))
         except ValueError:
             return web.json_response({"error": "after must be an integer"}, status=400)
-        log = placements or PlacementLog()
-        body = log.answer(after, request.query.get("log"))
+        body = shared.answer(after, request.query.get("log"))
         return web.Response(body=body, content_type="application/json")
 
     app = web.Application()

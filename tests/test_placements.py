@@ -186,6 +186,18 @@ async def test_the_reader_reads_only_new_placements_from_a_peers_admin_port(monk
     ]
 
 
+async def test_a_router_that_shares_nothing_answers_an_empty_log():
+    runner, port = await _serve(build_admin_app(DecisionLog(10), lambda: True))
+    try:
+        url = f"http://127.0.0.1:{port}/peer/placements"
+        async with aiohttp.ClientSession() as session, session.get(url) as response:
+            assert response.status == 200
+            answer = decode(await response.read())
+    finally:
+        await runner.cleanup()
+    assert answer.placements == [] and answer.last == 0
+
+
 async def test_placements_hashed_another_way_are_skipped_with_a_warning(caplog):
     """A peer with another routing.block_size_bytes hashes the same prompts differently:
     its placements would only fill index slots. The reader skips them (and says so once),
