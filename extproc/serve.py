@@ -122,14 +122,15 @@ class RouterService:
             config.signals.timeout_seconds,
         )
         sharing = config.peers.enabled and config.peers.share_placements
+        scheme = hash_scheme(config.routing.block_size_bytes)
         self.peers = PeerReader(
             config.peers,
             self.router.observe_peer_work,
             self._on_peer_placements if sharing else None,
-            scheme=hash_scheme(config.routing.block_size_bytes),
+            scheme=scheme,
         )
         if sharing:
-            self.router.placements = PlacementLog(hash_scheme(config.routing.block_size_bytes))
+            self.router.placements = PlacementLog(scheme)
         # A worker hands its placements to the supervisor, whose admin port serves them.
         self._placement_sink = placement_sink if sharing else None
         self._placements_forwarded = 0
