@@ -53,7 +53,7 @@ from typing import Any
 import aiohttp
 import orjson
 
-from . import envoyconf, lab
+from . import lab
 from .stack import LOOPBACK, ManagedProcess, Stack, free_port, wait_for_port
 from .workload import (
     ChatWorkload,
@@ -486,16 +486,7 @@ def _envoy_in_front(
 ) -> tuple[str, ManagedProcess, int]:
     """A real Envoy on loopback in front of ``servers`` (``router``: one or a comma list of
     ext_proc addresses); returns its URL, its process and that process's pid."""
-    port = free_port()
-    options = envoyconf.EnvoyOptions(
-        mode=mode,  # type: ignore[arg-type]
-        endpoints=list(servers),
-        listen=f"{LOOPBACK}:{port}",
-        admin=f"{LOOPBACK}:{free_port()}",
-        router=router,
-        body_mode=body_mode,  # type: ignore[arg-type]
-    )
-    _, envoy = stack.start_envoy(options, name=f"envoy-{run}")
+    port, envoy = stack.start_proxy(mode, servers, router, body_mode, name=f"envoy-{run}")
     assert envoy.process is not None
     return f"http://{LOOPBACK}:{port}", envoy, envoy.process.pid
 
