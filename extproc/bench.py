@@ -114,6 +114,13 @@ def add_grid_arguments(grid: argparse.ArgumentParser) -> None:
     grid.add_argument("--replicas", default="4,8,16", help="comma list of replica counts")
     grid.add_argument("--router-replicas", default="1,4", help="comma list of K for ours")
     grid.add_argument("--policies", default="all", help="comma list or 'all'")
+    grid.add_argument(
+        "--seeds",
+        type=int,
+        default=1,
+        help="run every cell with seeds 0..N-1 (a new draw of each generated workload) and "
+        "compare the means",
+    )
     _add_routing_argument(grid)
     _add_share_queues_argument(grid)
     grid.add_argument(
@@ -222,25 +229,29 @@ def grid_command(args: argparse.Namespace) -> int:
     if unknown:
         raise SystemExit(f"--workloads: unknown {unknown}; choose from {', '.join(CAPACITIES)}")
     replicas = _int_list("--replicas", args.replicas)
+    if args.seeds < 1:
+        raise SystemExit(f"--seeds {args.seeds}: must be at least 1")
+    seeds = tuple(range(args.seeds))
     ks = sorted({1, *_int_list("--router-replicas", args.router_replicas)})
     routing = _routing_overrides(args.routing)
     names = _policy_names(args.policies)
     peers: dict[sim_grid.Cell, dict[str, dict[str, Any]]] = {}
     if args.peers_from:
-        peers = sim_grid.load_peers(args.peers_from)
+        peers = sim_grid.load_peers(args.peers_from, seeds)
         names = [sim_grid.OURS]
     todo = sim_grid.cells(workloads, replicas, ks)
     runs = sum(1 for c in todo for p in names if p == sim_grid.OURS or c.router_replicas == 1)
-    bar = tqdm(total=runs, unit="run", file=sys.stderr, disable=None)
+    bar = tqdm(total=runs * len(seeds), unit="run", file=sys.stderr, disable=None)
     results = sim_grid.run_grid(
         todo,
         names,
         args.trace,
         routing,
         args.jobs,
-        lambda *_: bar.update(1),
+        lambda *_: bar.update(len(seeds)),
         share_queues=args.share_queues,
         share_placements=args.share_placements,
+        seeds=seeds,
     )
     bar.close()
     for cell, by_policy in peers.items():
@@ -252,8 +263,10 @@ def grid_command(args: argparse.Namespace) -> int:
         for what, on in (("queued work", args.share_queues), ("placements", args.share_placements))
         if on
     )
+    over = f", seeds 0-{seeds[-1]} (means)" if len(seeds) > 1 else ""
     print(
-        f"routing overrides: {routing or 'none'}{shared}; {runs} runs, {args.jobs} worker processes"
+        f"routing overrides: {routing or 'none'}{shared}; {runs * len(seeds)} runs{over}, "
+        f"{args.jobs} worker processes"
     )
     print(sim_grid.markdown(rows))
     print(sim_grid.summary_line(rows))
@@ -265,6 +278,7 @@ def grid_command(args: argparse.Namespace) -> int:
             "routing_overrides": routing,
             "share_queues": args.share_queues,
             "share_placements": args.share_placements,
+            "seeds": list(seeds),
             "summary": sim_grid.summary_line(rows),
             "wall_seconds": round(wall, 2),
             "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),

@@ -105,9 +105,34 @@ def test_grid_runs_every_cell_and_reuses_peer_results(tmp_path, capsys) -> None:
         (["--workloads", "nope"], "unknown ['nope']"),
         (["--replicas", "four"], "--replicas"),
         (["--json", "/nonexistent/dir/grid.json"], "no such directory"),
+        (["--seeds", "0"], "--seeds 0"),
     ],
 )
 def test_grid_rejects_bad_arguments_by_name(flag: list[str], message: str) -> None:
     with pytest.raises(SystemExit) as error:
         main(["bench", "grid", "--workloads", "small-multi-turn", *flag])
     assert message in str(error.value)
+
+
+def test_grid_with_seeds_averages_draws_it_also_runs_alone(tmp_path) -> None:
+    """Each seed is a new draw of the workload; the cell's figures are the seeds' means, and
+    seed 1's own figures are those of a grid run with seed 1 alone (not a re-labelled seed 0)."""
+    doc = _grid(tmp_path, "two.json", "--seeds", "2", "--router-replicas", "1")
+    assert doc["seeds"] == [0, 1]
+    one = _grid(tmp_path, "one.json", "--router-replicas", "1")
+    for row, alone in zip(doc["cells"], one["cells"], strict=True):
+        for name, summary in row["policies"].items():
+            hits = summary["per_seed"]["hit_ratio"]
+            p99s = summary["per_seed"]["ttft_p99_ms"]
+            assert summary["seeds"] == [0, 1]
+            assert hits[0] == alone["policies"][name]["hit_ratio"]
+            assert summary["hit_ratio"] == pytest.approx(sum(hits) / 2, abs=1e-4)
+            assert summary["ttft_p99_ms"] == pytest.approx(sum(p99s) / 2, abs=1e-4)
+    # Round robin's hit ratio depends only on the workload: a second draw changes it.
+    assert any(
+        len(set(row["policies"]["round-robin"]["per_seed"]["hit_ratio"])) == 2
+        for row in doc["cells"]
+    )
+    with pytest.raises(SystemExit) as error:
+        _grid(tmp_path, "mixed.json", "--peers-from", str(tmp_path / "one.json"), "--seeds", "2")
+    assert "same --seeds" in str(error.value)

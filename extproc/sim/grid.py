@@ -6,6 +6,11 @@ highest of the non-oracle policies and its TTFT p99 the lowest, and how much doe
 against K=1 — with one command, so a tuning change can be judged on all cells at once.
 Peers do not depend on our routing configuration: ``--peers-from`` reuses their figures from
 an earlier grid JSON, so a tuning run only re-simulates ours.
+
+With several seeds (``--seeds N``) every cell runs once per seed — a generated workload is
+drawn anew from each seed, the simulator's own randomness (K router replicas, the random
+policy) follows it — and the verdicts compare means: a p99 a few milliseconds apart on one
+draw of the workload can swap places on the next (docs/benchmarks.md, the grid section).
 """
 
 from __future__ import annotations
@@ -59,17 +64,18 @@ def cells(workloads: Sequence[str], replicas: Sequence[int], ks: Sequence[int]) 
 
 
 @functools.cache
-def _workload(name: str, trace: str | None) -> Workload:
+def _workload(name: str, trace: str | None, seed: int = 0) -> Workload:
+    """A trace is what it is whatever the seed; a generated workload is drawn from it."""
     if name == "mooncake":
         if not trace:
             raise SystemExit("the mooncake workload needs --trace (the Mooncake JSONL file)")
         return load_mooncake(trace)
-    return PRESETS[name](seed=0)
+    return PRESETS[name](seed=seed)
 
 
 @functools.cache
-def _ideal(name: str, trace: str | None, block_tokens: int) -> float:
-    return ideal_hit_ratio(_workload(name, trace).requests, block_tokens)
+def _ideal(name: str, trace: str | None, block_tokens: int, seed: int = 0) -> float:
+    return ideal_hit_ratio(_workload(name, trace, seed).requests, block_tokens)
 
 
 def run_one(
@@ -79,6 +85,7 @@ def run_one(
     routing: dict[str, Any],
     share_queues: bool = False,
     share_placements: bool = False,
+    seed: int = 0,
 ) -> tuple[Cell, str, dict[str, Any]]:
     """One simulation (runs in a worker process; everything it takes is picklable)."""
     cost = CostModel()
@@ -90,10 +97,32 @@ def run_one(
         routing=RoutingConfig(**routing),
         share_queues=share_queues,
         share_placements=share_placements,
+        seed=seed,
     )
-    workload = _workload(cell.workload, trace)
+    workload = _workload(cell.workload, trace, seed)
     result = simulate(workload, policy, params)
-    return cell, policy, summarize(result, _ideal(cell.workload, trace, cost.kv_block_tokens))
+    ideal = _ideal(cell.workload, trace, cost.kv_block_tokens, seed)
+    return cell, policy, summarize(result, ideal)
+
+
+# Per-seed figures kept beside the means, to show how far one draw strays.
+SPREAD_KEYS = ("hit_ratio", "ttft_p99_ms")
+
+
+def combine_seeds(by_seed: Sequence[dict[str, Any]], seeds: Sequence[int]) -> dict[str, Any]:
+    """One policy's summaries over several seeds: numbers averaged (a p99 here is the mean of
+    the per-seed p99s), the per-seed hit ratio and p99 kept under ``per_seed``."""
+    if len(by_seed) == 1:
+        return by_seed[0]
+    first = by_seed[0]
+    out: dict[str, Any] = {
+        key: round(sum(s[key] for s in by_seed) / len(by_seed), 4)
+        for key, value in first.items()
+        if isinstance(value, (int, float)) and not isinstance(value, bool)
+    }
+    out["seeds"] = list(seeds)
+    out["per_seed"] = {key: [s[key] for s in by_seed] for key in SPREAD_KEYS}
+    return out
 
 
 def run_grid(
@@ -105,29 +134,38 @@ def run_grid(
     done: Callable[[Cell, str, dict[str, Any]], None] | None = None,
     share_queues: bool = False,
     share_placements: bool = False,
+    seeds: Sequence[int] = (0,),
 ) -> dict[Cell, dict[str, dict[str, Any]]]:
-    """Peers and bounds run at K=1 only (their K sweep is `simulate --sweep-k`'s job)."""
+    """Peers and bounds run at K=1 only (their K sweep is `simulate --sweep-k`'s job).
+    ``done`` is called once per (cell, policy), when all its seeds have run."""
     work = [
-        (cell, policy)
+        (cell, policy, seed)
         for cell in grid
         for policy in policies
         if policy == OURS or cell.router_replicas == 1
+        for seed in seeds
     ]
     # Longest first (Mooncake's big prompts, then the 8k-request GAIE runs) keeps workers busy.
     work.sort(
         key=lambda item: (item[0].workload != "gaie-high-cache", item[0].workload != "mooncake")
     )
+    runs: dict[tuple[Cell, str], dict[int, dict[str, Any]]] = {}
     out: dict[Cell, dict[str, dict[str, Any]]] = {}
     with ProcessPoolExecutor(max_workers=max(1, jobs)) as pool:
         futures = [
-            pool.submit(run_one, c, p, trace, routing, share_queues, share_placements)
-            for c, p in work
+            (seed, pool.submit(run_one, c, p, trace, routing, share_queues, share_placements, seed))
+            for c, p, seed in work
         ]
-        for future in futures:
+        for seed, future in futures:
             cell, policy, summary = future.result()
-            out.setdefault(cell, {})[policy] = summary
+            per_seed = runs.setdefault((cell, policy), {})
+            per_seed[seed] = summary
+            if len(per_seed) < len(seeds):
+                continue
+            combined = combine_seeds([per_seed[s] for s in seeds], seeds)
+            out.setdefault(cell, {})[policy] = combined
             if done is not None:
-                done(cell, policy, summary)
+                done(cell, policy, combined)
     return out
 
 
@@ -153,8 +191,17 @@ def from_json(rows: list[dict[str, Any]]) -> dict[Cell, dict[str, dict[str, Any]
     }
 
 
-def load_peers(path: str | os.PathLike[str]) -> dict[Cell, dict[str, dict[str, Any]]]:
+def load_peers(
+    path: str | os.PathLike[str], seeds: Sequence[int] = (0,)
+) -> dict[Cell, dict[str, dict[str, Any]]]:
+    """The peers' figures from an earlier grid, which must have run the same seeds: means
+    over other draws of the workloads would not be comparable."""
     doc = json.loads(Path(path).read_text())
+    if list(doc.get("seeds", [0])) != list(seeds):
+        raise SystemExit(
+            f"--peers-from {path}: its grid ran seeds {doc.get('seeds', [0])}, "
+            f"this one runs {list(seeds)} (use the same --seeds)"
+        )
     rows = from_json(doc["cells"])
     return {
         cell: {p: s for p, s in policies.items() if p != OURS}
