@@ -129,7 +129,7 @@ class CostModel:
     stickiness: float = 8.0
     # Cold start: skip rendezvous picks whose cost exceeds the cheapest by more than this
     # fraction of the request's own cold prefill.
-    cold_margin: float = 0.5
+    cold_margin: float = 0.1
 
     @classmethod
     def from_config(cls, config: RoutingConfig) -> CostModel:

@@ -499,19 +499,24 @@ def _report_finished(router: Router, finished_per_sent: float) -> None:
             router.observe_signals(address, up=True, prefill_window=window)
 
 
+ALONE, SHARED = RoutingConfig().cold_margin, RoutingConfig().shared_cold_margin
+
+
 @pytest.mark.parametrize(
-    ("finished_per_sent", "share", "margin"),
-    [(1.0, 1.0, 0.5), (4 / 3, 0.75, 0.75), (2.0, 0.5, 1.0), (4.0, 0.25, 1.0)],
+    ("finished_per_sent", "share", "widened"),
+    [(1.0, 1.0, 0.0), (4 / 3, 0.75, 0.5), (2.0, 0.5, 1.0), (4.0, 0.25, 1.0)],
 )
 def test_the_cold_margin_widens_as_other_routers_serve_more_of_the_traffic(
-    finished_per_sent, share, margin
+    finished_per_sent, share, widened
 ):
+    """From cold_margin with all the traffic to shared_cold_margin with half, linearly."""
     router = Router(RoutingConfig(), ENDPOINTS)
-    assert (router.traffic_share, router.cold_margin) == (1.0, 0.5)
+    assert (router.traffic_share, router.cold_margin) == (1.0, ALONE)
     for i in range(24):
         router.finish(router.route(chat(f"conversation {i} " * 30)))
     _report_finished(router, finished_per_sent)
     assert router.traffic_share == pytest.approx(share)
+    margin = ALONE + (SHARED - ALONE) * widened
     assert router.cold_margin == router.scheduler.cost.cold_margin == pytest.approx(margin)
 
 
@@ -520,7 +525,7 @@ def test_the_traffic_share_waits_for_enough_finished_requests_and_can_be_switche
     for i in range(3):
         router.route(chat(f"conversation {i} " * 30))
     _report_finished(router, 4.0)  # 12 finished: too few to judge
-    assert (router.traffic_share, router.cold_margin) == (1.0, 0.5)
+    assert (router.traffic_share, router.cold_margin) == (1.0, ALONE)
     fixed = Router(RoutingConfig(cold_margin=0.7, shared_cold_margin=0.7), ENDPOINTS)
     for i in range(24):
         fixed.route(chat(f"conversation {i} " * 30))
@@ -529,7 +534,7 @@ def test_the_traffic_share_waits_for_enough_finished_requests_and_can_be_switche
 
 
 def test_with_a_minor_share_a_cold_start_stays_on_the_pick_other_routers_make():
-    """Queued work between 0.5 and 1 cold prefill above the least: a router alone moves the
+    """Queued work between cold_margin and 1 cold prefill above the least: a router alone moves the
     new conversation off its rendezvous pick, one of several keeps it there (where the other
     routers, which do not see that work, will send its later turns)."""
     first = chat("a short question", system="A brief system prompt. " * 20)
@@ -543,14 +548,14 @@ def test_with_a_minor_share_a_cold_start_stays_on_the_pick_other_routers_make():
 
     alone, busy = loaded(1.0)
     shared, busy_too = loaded(4.0)
-    assert busy == busy_too and (alone.cold_margin, shared.cold_margin) == (0.5, 1.0)
+    assert busy == busy_too and (alone.cold_margin, shared.cold_margin) == (ALONE, SHARED)
     queued = alone.queued_work()[busy]
     for i in range(200):
         conversation = chat(f"a new conversation {i} " * 120)
         if Router(RoutingConfig(), ENDPOINTS).route(conversation).endpoint != busy:
             continue  # not a conversation whose rendezvous pick is the busy endpoint
         cold = alone.cost.prefill(conversation_tokens(conversation), 0)
-        assert 0.5 * cold < queued <= 1.0 * cold  # the case this test is about
+        assert ALONE * cold < queued <= SHARED * cold  # the case this test is about
         assert alone.route(conversation).endpoint != busy
         assert shared.route(conversation).endpoint == busy
         return
