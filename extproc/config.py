@@ -178,9 +178,10 @@ class RoutingConfig(_Strict):
     stickiness: float = Field(
         default=8.0, ge=0, description="extra cost per token an endpoint lacks vs the best holder"
     )
-    # 0.1 since 2026-11-30: over five draws of the simulator's grid, one router's GAIE tails
-    # at 16 replicas 95 -> 87 ms with no cell worse on both metrics (docs/benchmarks.md,
-    # item 10); several router replicas widen it to shared_cold_margin by themselves.
+    # 0.1 since 2026-11-30 (0.5 before): over five draws of the simulator's grid one router's
+    # GAIE tails at 16 replicas fell 95 -> 87 ms; worse on both metrics only in the overloaded
+    # GAIE 4 x 100k cell (docs/benchmarks.md, item 10). Several router replicas widen it to
+    # shared_cold_margin by themselves.
     cold_margin: float = Field(
         default=0.1,
         ge=0,
