@@ -128,6 +128,9 @@ def test_grid_with_seeds_averages_draws_it_also_runs_alone(tmp_path) -> None:
             assert hits[0] == alone["policies"][name]["hit_ratio"]
             assert summary["hit_ratio"] == pytest.approx(sum(hits) / 2, abs=1e-4)
             assert summary["ttft_p99_ms"] == pytest.approx(sum(p99s) / 2, abs=1e-4)
+        # Ours' decisions per rule: the mean over the seeds, every request counted once.
+        rules = row["policies"]["ours"]["rules"]
+        assert sum(rules.values()) == pytest.approx(row["policies"]["ours"]["requests"])
     # Round robin's hit ratio depends only on the workload: a second draw changes it.
     assert any(
         len(set(row["policies"]["round-robin"]["per_seed"]["hit_ratio"])) == 2

@@ -111,7 +111,8 @@ SPREAD_KEYS = ("hit_ratio", "ttft_p99_ms")
 
 def combine_seeds(by_seed: Sequence[dict[str, Any]], seeds: Sequence[int]) -> dict[str, Any]:
     """One policy's summaries over several seeds: numbers averaged (a p99 here is the mean of
-    the per-seed p99s), the per-seed hit ratio and p99 kept under ``per_seed``."""
+    the per-seed p99s), and so are ours' decisions per rule; the per-seed hit ratio and p99
+    kept under ``per_seed``."""
     if len(by_seed) == 1:
         return by_seed[0]
     first = by_seed[0]
@@ -120,6 +121,12 @@ def combine_seeds(by_seed: Sequence[dict[str, Any]], seeds: Sequence[int]) -> di
         for key, value in first.items()
         if isinstance(value, (int, float)) and not isinstance(value, bool)
     }
+    rules = sorted({rule for s in by_seed for rule in s.get("rules", {})})
+    if rules:
+        out["rules"] = {
+            rule: sum(s.get("rules", {}).get(rule, 0) for s in by_seed) / len(by_seed)
+            for rule in rules
+        }
     out["seeds"] = list(seeds)
     out["per_seed"] = {key: [s[key] for s in by_seed] for key in SPREAD_KEYS}
     return out
