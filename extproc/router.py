@@ -262,7 +262,7 @@ class Router:
         from cold_margin (alone) to shared_cold_margin (half or less), linearly. In the
         simulator, K=4 router replicas stayed within 0.02 of one router's hit ratio in 12 of
         18 cells with margin 1 against 6 with 0.5, while one router's tails are shorter
-        with 0.5 (docs/benchmarks.md)."""
+        with a small margin (0.5 then, cold_margin 0.1 since; docs/benchmarks.md)."""
         sent, self._sent[i] = float(self._sent[i]), 0
         keep = 1.0 - 1.0 / TRAFFIC_SHARE_WINDOWS
         self._share_sent = keep * self._share_sent + sent

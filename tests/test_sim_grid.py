@@ -115,8 +115,8 @@ def test_grid_rejects_bad_arguments_by_name(flag: list[str], message: str) -> No
 
 
 def test_grid_with_seeds_averages_draws_it_also_runs_alone(tmp_path) -> None:
-    """Each seed is a new draw of the workload; the cell's figures are the seeds' means, and
-    seed 1's own figures are those of a grid run with seed 1 alone (not a re-labelled seed 0)."""
+    """Each seed is a new draw of the workload; the cell's figures are the seeds' means, seed
+    0's own figures are those of a grid run with one seed, and seed 1 is another draw."""
     doc = _grid(tmp_path, "two.json", "--seeds", "2", "--router-replicas", "1")
     assert doc["seeds"] == [0, 1]
     one = _grid(tmp_path, "one.json", "--router-replicas", "1")
