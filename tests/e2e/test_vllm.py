@@ -23,6 +23,8 @@ from extproc import bench_live, lab, signals
 from extproc.stack import LOOPBACK, Stack
 from extproc.workload import ChatWorkload
 
+from ..rendezvous import rendezvous_pick
+
 pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.timeout(1500)]
 
 # Sized for the tiny model's 4,096-token context and two CPU cores: the longest turn is
@@ -266,12 +268,7 @@ def test_a_router_continues_on_vllm_the_conversations_its_peer_started(
     """Router A (which knows only server X) starts conversations there; router B, reading A's
     placements (peers), sends their second turns to X too, although its own rendezvous order
     says Y, and vLLM on X counts those turns' shared prefix as cache hits."""
-    from extproc.config import EndpointConfig, RoutingConfig
-    from extproc.prompt import parse_request
-    from extproc.router import Router
-
     x, y = vllm_endpoints
-    alone = Router(RoutingConfig(), [EndpointConfig(address=a) for a in (x, y)])
     conversations = []
     for i in range(60):
         first = [
@@ -281,7 +278,7 @@ def test_a_router_continues_on_vllm_the_conversations_its_peer_started(
         second = [*first, {"role": "assistant", "content": "Sure."}]
         second.append({"role": "user", "content": "And then?"})
         body = orjson.dumps({"model": lab.SERVED_MODEL_NAME, "messages": second})
-        if alone.route(parse_request("chat", body)).endpoint == y:
+        if rendezvous_pick(body, (x, y)) == y:
             conversations.append((first, second))
         if len(conversations) == 3:
             break

@@ -17,11 +17,10 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from extproc import bench_live
-from extproc.config import EndpointConfig, RoutingConfig
-from extproc.prompt import parse_request
-from extproc.router import Router
+from extproc.config import RoutingConfig
 from extproc.stack import LOOPBACK, Stack, free_port, router_args_for
 
+from ..rendezvous import rendezvous_pick
 from .conftest import chat_body, request
 from .test_observability import get, samples
 
@@ -127,13 +126,12 @@ def test_peers_count_each_others_queued_work(tmp_path):
             while _queued_work(admin["router-b"], busy) <= 0:
                 assert time.monotonic() < deadline, "router B never counted A's work"
                 time.sleep(0.05)
-            alone = Router(RoutingConfig(), [EndpointConfig(address=a) for a in replicas])
             bodies = []
             for i in range(40):
                 # Nothing in common with A's stream or each other (not even a system prompt,
                 # which B would know A's replica holds, from A's placements): cold starts.
                 body = chat_body(f"new conversation {i} " * 5, system=f"Be brief, {i}. " * 20)
-                if alone.route(parse_request("chat", body)).endpoint == busy:
+                if rendezvous_pick(body, replicas) == busy:
                     bodies.append(body)  # only those whose rendezvous pick is the busy replica
                 if len(bodies) == 3:
                     break
@@ -161,12 +159,11 @@ def test_a_router_finds_the_conversations_another_router_placed(tmp_path):
         args = [*ROUTER_ARGS, "--set", "peers.interval_seconds=0.2"]
         envoy_ports = stack.start_peer_routers({"router-a": [x], "router-b": [x, y]}, args)
         admin = stack.router_admin_ports
-        alone = Router(RoutingConfig(), [EndpointConfig(address=a) for a in (x, y)])
         conversations = []
         for i in range(40):
             first = f"conversation {i} about a topic of its own " * 40
             second = chat_body(first, "Sure.", "and then?")
-            if alone.route(parse_request("chat", second)).endpoint == y:
+            if rendezvous_pick(second, (x, y)) == y:
                 conversations.append((chat_body(first), second))
             if len(conversations) == 4:
                 break
