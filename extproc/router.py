@@ -496,6 +496,7 @@ class Router:
             session,
             prompt_tokens=len(request.prompt) / cfg.bytes_per_token,
             block_tokens=cfg.block_size_bytes / cfg.bytes_per_token,
+            hashes=hashes,
         )
         decision.hashes = hashes
         if decision.endpoint is not None:

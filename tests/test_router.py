@@ -1,5 +1,7 @@
 """Scheduler rules through the routing core: affinity, load guard, cold-start agreement."""
 
+from collections import Counter
+
 import orjson
 import pytest
 
@@ -11,6 +13,7 @@ from extproc.scheduler import (
     RULE_COLD_START,
     RULE_LOAD_GUARD,
     RULE_NO_ENDPOINT,
+    RULE_SPREAD,
 )
 
 ENDPOINTS = [EndpointConfig(address=f"10.0.0.{i}:8000") for i in range(1, 5)]
@@ -481,7 +484,7 @@ def test_a_session_drawn_by_a_shared_prompt_lands_where_other_routers_look_for_i
         ]
         clock.now += 0.035
         first = a.route(chat(f"question {i}? " * 10))
-        assert first.rule == RULE_AFFINITY  # drawn by the shared prompt
+        assert first.rule in (RULE_AFFINITY, RULE_SPREAD)  # drawn by the shared prompt
         later = b.route(chat(f"question {i}? " * 10, "an answer", "a follow-up"))  # b: new
         assert later.endpoint == first.endpoint
         homes.add(first.endpoint)
@@ -594,3 +597,54 @@ def test_other_replicas_reported_work_counts_and_drains():
     clock.now += 40.0  # a silent peer stops counting
     router.observe_peer_work("peer-b", {busy: 0.0})
     assert router.peers() == ["peer-b"]
+
+
+def test_a_system_prompt_every_conversation_shares_spreads_them_and_their_later_turns():
+    """A long system prompt (most of each first turn) that every new conversation starts
+    with draws more than one endpoint's share of them: they are placed as cold starts, not
+    piled onto the prompt's first holder. With the count guard off, so that it is this rule
+    and not the guard that spreads them; switched off, all go to the first holder."""
+    system = SYSTEM * 8  # ~2.2k tokens against ~100 of the conversation's own first message
+    for spread in (True, False):
+        config = RoutingConfig(load_slack=1000, spread_popular_prefixes=spread)
+        router = Router(config, ENDPOINTS)
+        first_turns = []
+        for i in range(48):
+            d = router.route(chat(f"conversation {i}: " + "my own question " * 20, system=system))
+            router.finish(d)
+            first_turns.append(d)
+        homes = Counter(d.endpoint for d in first_turns)
+        if not spread:
+            assert len(homes) == 1
+            continue
+        assert len(homes) == len(ENDPOINTS) and max(homes.values()) <= 2 * 48 / len(ENDPOINTS)
+        assert Counter(d.rule for d in first_turns[16:]) == {RULE_SPREAD: 32}
+        # Each conversation's next turn follows it, in this router and in a router replica
+        # that never saw the first turns (it cold-starts them by the same rendezvous order).
+        other = Router(config, ENDPOINTS)
+        for i, first in enumerate(first_turns):
+            turns = (f"conversation {i}: " + "my own question " * 20, "an answer", "more?")
+            for router_replica in (router, other):
+                later = router_replica.route(chat(*turns, system=system))
+                router_replica.finish(later)
+                assert later.endpoint == first.endpoint
+
+
+def test_group_documents_are_followed_each_to_its_holder():
+    """Many documents, each drawing a small share of the new sessions (a question about one
+    of 16 documents per request, the GAIE shape sent as chat): each stays on one endpoint,
+    and not copied to others."""
+    documents = [f"Document {g}: " + f"fact {g} about caches. " * 120 for g in range(16)]
+    router = Router(RoutingConfig(), ENDPOINTS)
+    homes: dict[int, set[str]] = {g: set() for g in range(16)}
+    rules = Counter()
+    for q in range(6):
+        for g in range(16):
+            question = f"Question {q} about document {g}: " + "please explain " * 20
+            d = router.route(chat(question, system=documents[g]))
+            router.finish(d)
+            homes[g].add(d.endpoint)
+            if q:
+                rules[d.rule] += 1
+    assert all(len(endpoints) == 1 for endpoints in homes.values())
+    assert rules == {RULE_AFFINITY: 5 * 16}
