@@ -93,3 +93,21 @@ def placement_key(
     if len(hashes):
         return int(hashes[min(cold_start_blocks, len(hashes)) - 1])
     return xxh3_64_intdigest(request.prompt, root)
+
+
+def group_key(
+    request: LLMRequest, hashes: np.ndarray, block_size: int, mode: str, fraction: float
+) -> int:
+    """The key a new conversation is placed by when its preamble (system prompt, tools) is
+    at least ``fraction`` of its first turn, else 0 (none): the hash of the preamble's full
+    blocks. Questions on one long document, or conversations of one agent, then meet on
+    one endpoint whichever router replica places them, where a key that takes in the
+    question sends each to a different endpoint and copies the document to all of them.
+    (Scheduler.pick places by the session key instead once the preamble draws more than
+    one endpoint's share of the new sessions.)"""
+    if mode != "first_turn" or not request.preamble_end or not request.first_turn_end:
+        return 0
+    blocks = min(request.preamble_end // block_size, len(hashes))
+    if not blocks or request.preamble_end < fraction * request.first_turn_end:
+        return 0
+    return int(hashes[blocks - 1])

@@ -42,6 +42,9 @@ class LLMRequest:
     # on the prefix up to here.
     first_turn_end: int
     stream: bool
+    # Byte offset where the messages before the first user turn (system prompt, tools) end:
+    # what every conversation of one application, or every question on one document, shares.
+    preamble_end: int = 0
 
 
 def api_for_path(path: str) -> str | None:
@@ -106,21 +109,21 @@ def _message_bytes(message: Any) -> tuple[str, bytes]:
     return role, body
 
 
-def _conversation(preamble: list[bytes], messages: list[Any]) -> tuple[bytes, int]:
+def _conversation(preamble: list[bytes], messages: list[Any]) -> tuple[bytes, int, int]:
     chunks = list(preamble)
     size = sum(len(c) for c in chunks)
-    first_turn_end = 0
+    first_turn_end = preamble_end = 0
     for message in messages:
         role, body = _message_bytes(message)
         framed = _frame(role, body)
         chunks.append(framed)
-        size += len(framed)
         if not first_turn_end and role not in _PREAMBLE_ROLES:
-            first_turn_end = size
-    return b"".join(chunks), first_turn_end
+            preamble_end, first_turn_end = size, size + len(framed)
+        size += len(framed)
+    return b"".join(chunks), first_turn_end, preamble_end
 
 
-def _chat_prompt(body: dict[str, Any]) -> tuple[bytes, int]:
+def _chat_prompt(body: dict[str, Any]) -> tuple[bytes, int, int]:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise NotRoutable("no_prompt", "messages missing or empty")
@@ -137,18 +140,18 @@ def _token_bytes(tokens: list[Any]) -> bytes:
     return b"\x07" + array("I", tokens).tobytes()
 
 
-def _completions_prompt(body: dict[str, Any]) -> tuple[bytes, int]:
+def _completions_prompt(body: dict[str, Any]) -> tuple[bytes, int, int]:
     prompt = body.get("prompt")
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
         prompt = prompt[0]  # a batch: route on its first prompt
     if isinstance(prompt, str) and prompt:
-        return prompt.encode(), 0
+        return prompt.encode(), 0, 0
     if isinstance(prompt, list) and prompt:
-        return _token_bytes(prompt), 0
+        return _token_bytes(prompt), 0, 0
     raise NotRoutable("no_prompt", "prompt missing, empty or of an unknown shape")
 
 
-def _responses_prompt(body: dict[str, Any]) -> tuple[bytes, int]:
+def _responses_prompt(body: dict[str, Any]) -> tuple[bytes, int, int]:
     preamble = []
     instructions = body.get("instructions")
     if isinstance(instructions, str) and instructions:
@@ -187,7 +190,7 @@ def parse_request(api: str, body: bytes) -> LLMRequest:
     salt = data.get("cache_salt", "")
     if not isinstance(model, str) or not isinstance(salt, str):
         raise NotRoutable("bad_model", "model and cache_salt must be strings")
-    prompt, first_turn_end = _PROMPT_BUILDERS[api](data)
+    prompt, first_turn_end, preamble_end = _PROMPT_BUILDERS[api](data)
     return LLMRequest(
         api=api,
         model=model,
@@ -195,4 +198,5 @@ def parse_request(api: str, body: bytes) -> LLMRequest:
         prompt=prompt,
         first_turn_end=first_turn_end,
         stream=data.get("stream") is True,
+        preamble_end=preamble_end,
     )

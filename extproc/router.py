@@ -19,7 +19,7 @@ from collections.abc import Callable, Mapping, Sequence
 import numpy as np
 
 from .config import EndpointConfig, RoutingConfig
-from .hashing import block_hashes, placement_key, root_hash, session_blocks
+from .hashing import block_hashes, group_key, placement_key, root_hash, session_blocks
 from .index import IndexStats, PrefixIndex
 from .placements import Placement, PlacementLog
 from .prompt import LLMRequest
@@ -497,6 +497,13 @@ class Router:
             prompt_tokens=len(request.prompt) / cfg.bytes_per_token,
             block_tokens=cfg.block_size_bytes / cfg.bytes_per_token,
             hashes=hashes,
+            group_key=group_key(
+                request,
+                hashes,
+                cfg.block_size_bytes,
+                cfg.cold_start_key,
+                cfg.shared_prefix_fraction,
+            ),
         )
         decision.hashes = hashes
         if decision.endpoint is not None:

@@ -247,10 +247,13 @@ class Scheduler:
         prompt_tokens: float | None = None,
         block_tokens: float = 1.0,
         hashes: np.ndarray | None = None,
+        group_key: int = 0,
     ) -> Decision:
         """``prompt_tokens`` defaults to ``total_blocks`` x ``block_tokens``. ``hashes`` (the
         request's block hashes) name the shared prefix a new session matches, for
-        ``popularity``; without them every shared prefix counts as a group's."""
+        ``popularity``; without them every shared prefix counts as a group's. ``group_key``
+        (hashing.group_key; 0: none) places a new session instead of ``key`` while its
+        preamble is not popular."""
         if prompt_tokens is None:
             prompt_tokens = total_blocks * block_tokens
         count = len(table)
@@ -274,7 +277,6 @@ class Scheduler:
             eligible = np.ones(count, dtype=bool)
         cached = np.minimum(n, matched * block_tokens)
         cost = work + model.prefill_many(n, cached)
-        rendezvous = rendezvous_scores(key, table.address_hash)
 
         best_eligible_match = int(matched[eligible].max())
         # Holding the session prefix, or a shared prefix that is most of the prompt (a long
@@ -294,14 +296,18 @@ class Scheduler:
         # later turn it sees first, looked for them elsewhere. A group's document (many
         # documents, each drawing a few sessions) is still followed. Once every endpoint
         # holds the preamble, the two rules pick alike.
+        # Such a session (popular or not) is placed by its group key when it has one: every
+        # router replica then sends one document's questions to the same endpoint.
         popular = False
-        if cfg.spread_popular_prefixes and (
-            best_eligible_match < session_blocks or best_eligible_match < needed
-        ):
-            shared = None
-            if hashes is not None and best_eligible_match >= cfg.min_match_blocks:
+        new_or_cold = best_eligible_match < session_blocks or best_eligible_match < needed
+        if cfg.spread_popular_prefixes and new_or_cold:
+            shared = group_key or None
+            if shared is None and hashes is not None and best_eligible_match:
                 shared = int(hashes[best_eligible_match - 1])
             popular = self.popularity.new_session(shared) * count > 1 + 1e-9
+        if new_or_cold and group_key and not popular:
+            key = group_key
+        rendezvous = rendezvous_scores(key, table.address_hash)
         if best_eligible_match >= needed and total_blocks and not popular:
             # Only a shared prefix is held, not the session's own: a new session.
             new_session = best_eligible_match < session_blocks

@@ -1,6 +1,6 @@
 """Block hashes: stable, prefix-identifying, seeded by model and salt, capped."""
 
-from extproc.hashing import block_hashes, placement_key, root_hash
+from extproc.hashing import block_hashes, group_key, placement_key, root_hash
 from extproc.prompt import LLMRequest
 
 
@@ -61,8 +61,27 @@ def test_models_never_share_blocks():
     )
 
 
-def _request(prompt: bytes, first_turn_end: int) -> LLMRequest:
-    return LLMRequest("chat", "m", "", prompt, first_turn_end, False)
+def _request(prompt: bytes, first_turn_end: int, preamble_end: int = 0) -> LLMRequest:
+    return LLMRequest("chat", "m", "", prompt, first_turn_end, False, preamble_end)
+
+
+def test_group_key_is_the_preamble_when_it_is_most_of_the_first_turn():
+    root = root_hash("m")
+
+    def key(system: bytes, question: bytes, mode: str = "first_turn") -> int:
+        prompt = system + question
+        request = _request(prompt, len(prompt), len(system))
+        return group_key(request, block_hashes(prompt, root, 64, 100), 64, mode, 0.5)
+
+    document = b"d" * 1000
+    # Two questions on one document: one key, its preamble's last full block's hash.
+    assert key(document, b"first question") == key(document, b"another one") != 0
+    assert key(document, b"q") == block_hashes(document, root, 64, 100)[1000 // 64 - 1]
+    assert key(b"e" * 1000, b"q") != key(document, b"q")
+    assert key(b"s" * 200, b"u" * 800) == 0  # a short preamble: the session's own key
+    assert key(b"", b"u" * 800) == 0  # none
+    assert key(b"s" * 30, b"u") == 0  # not one full block
+    assert key(document, b"q", mode="blocks") == 0
 
 
 def test_placement_key_is_the_same_for_every_turn_of_a_conversation():

@@ -588,7 +588,7 @@ def test_other_replicas_reported_work_counts_and_drains():
     assert full.queued_work()[busy] == pytest.approx(120_000)
     # A new conversation whose rendezvous pick is the busy endpoint goes elsewhere now.
     for i in range(100):
-        conversation = chat(f"a new conversation {i} " * 30)
+        conversation = chat(f"a new conversation {i} " * 30, system="Be brief.")
         if Router(RoutingConfig(), ENDPOINTS).route(conversation).endpoint == busy:
             assert router.route(conversation).endpoint != busy
             break
@@ -648,3 +648,22 @@ def test_group_documents_are_followed_each_to_its_holder():
                 rules[d.rule] += 1
     assert all(len(endpoints) == 1 for endpoints in homes.values())
     assert rules == {RULE_AFFINITY: 5 * 16}
+
+
+def test_router_replicas_send_the_questions_on_one_document_to_one_endpoint():
+    """Questions on 16 documents (system message, user message) split between two router
+    replicas that share nothing: each document's questions, at either router, meet on one
+    endpoint. Placed by the whole first turn, each router's first question on a document
+    would go to its own rendezvous pick and copy the document there."""
+    documents = [f"Document {g}: " + f"fact {g} about caches. " * 120 for g in range(16)]
+    routers = [Router(RoutingConfig(), ENDPOINTS), Router(RoutingConfig(), ENDPOINTS)]
+    homes: dict[int, set[str]] = {g: set() for g in range(16)}
+    for q in range(6):
+        for g in range(16):
+            router = routers[(q + g) % 2]
+            question = f"Question {q} about document {g}: " + "please explain " * 20
+            d = router.route(chat(question, system=documents[g]))
+            router.finish(d)
+            homes[g].add(d.endpoint)
+    assert all(len(endpoints) == 1 for endpoints in homes.values())
+    assert len(set().union(*homes.values())) == len(ENDPOINTS)  # and the documents spread

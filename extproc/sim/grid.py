@@ -35,6 +35,7 @@ from .workloads import PRESETS, Workload, load_mooncake
 CAPACITIES: dict[str, tuple[int, int]] = {
     "mooncake": (200_000, 1_000_000),
     "gaie-high-cache": (100_000, 400_000),
+    "gaie-high-cache-chat": (100_000, 400_000),
     "multi-turn-chat": (50_000, 400_000),
     # Small shapes for tests and quick looks.
     "small-shared-prefix": (5_000, 40_000),

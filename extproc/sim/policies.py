@@ -329,6 +329,7 @@ class PromptBytes:
             cache_salt="",
             prompt=b"".join(parts),
             first_turn_end=request.first_turn_tokens * BYTES_PER_TOKEN,
+            preamble_end=request.preamble_tokens * BYTES_PER_TOKEN,
             stream=True,
         )
 

@@ -33,6 +33,8 @@ class SimRequest:
     # key cold-start placement per conversation, as it does for real chat bodies.
     first_turn_tokens: int = 0
     session: int = -1
+    # Tokens of the messages before the first user turn (a chat request's system prompt).
+    preamble_tokens: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,10 +86,13 @@ def shared_prefix(
     requests: int,
     seed: int = 0,
     name: str = "shared-prefix",
+    chat: bool = False,
 ) -> Workload:
     """inference-perf ``shared_prefix`` shape: groups × prompts, each prompt = the group's
     system prompt + its own question; requests pick a (group, prompt) uniformly at random,
-    Poisson arrivals at ``rate`` req/s (the GAIE benchmarks replay this for a duration)."""
+    Poisson arrivals at ``rate`` req/s (the GAIE benchmarks replay this for a duration).
+    ``chat``: sent as chat requests (system message + user message) instead of completions,
+    so each request is a conversation's first turn whose preamble is the group's prompt."""
     rng = random.Random(seed)
     counter = itertools.count()
     sys_chunks, q_chunks = _chunks(system_tokens), _chunks(question_tokens)
@@ -111,6 +116,8 @@ def shared_prefix(
                 chunk_tokens=GEN_CHUNK_TOKENS,
                 last_tokens=GEN_CHUNK_TOKENS,
                 session=g * prompts + p,
+                first_turn_tokens=len(ids) * GEN_CHUNK_TOKENS if chat else 0,
+                preamble_tokens=sys_chunks * GEN_CHUNK_TOKENS if chat else 0,
             )
         )
     params = {
@@ -122,6 +129,7 @@ def shared_prefix(
         "output_tokens": output_tokens,
         "rate": rate,
         "requests": requests,
+        "chat": chat,
     }
     return Workload(name, out, params)
 
@@ -173,6 +181,7 @@ def multi_turn(
             last_tokens=GEN_CHUNK_TOKENS,
             first_turn_tokens=first_turn,
             session=s,
+            preamble_tokens=sys_chunks * GEN_CHUNK_TOKENS,
         )
         for rid, (at, s, _t, ids, first_turn) in enumerate(pending)
     ]
@@ -219,6 +228,19 @@ PRESETS: dict[str, Callable[..., Workload]] = {
         output_tokens=256,
         rate=60.0,
         requests=8192,
+    ),
+    # The same sent as chat requests (the document a system message, the question a user
+    # message), as a chat client or inference-perf's chat API sends it.
+    "gaie-high-cache-chat": _preset_shared(
+        name="gaie-high-cache-chat",
+        groups=256,
+        prompts=16,
+        system_tokens=2048,
+        question_tokens=256,
+        output_tokens=256,
+        rate=60.0,
+        requests=8192,
+        chat=True,
     ),
     # GAIE low-cache (2025-11): system 256, question 2,048.
     "gaie-low-cache": _preset_shared(
