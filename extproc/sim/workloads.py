@@ -215,32 +215,25 @@ def _preset_chat(**fixed: Any) -> Callable[..., Workload]:
     return build
 
 
+# GAIE high-cache (2025-11): 256 groups x 16 prompts, system 2,048, question 256, out 256.
+_GAIE_HIGH_CACHE: dict[str, Any] = dict(
+    groups=256,
+    prompts=16,
+    system_tokens=2048,
+    question_tokens=256,
+    output_tokens=256,
+    rate=60.0,
+    requests=8192,
+)
+
 # Shapes from /work/shared/workloads/README.md (the peers' published benchmark configs);
 # rates are ours, chosen to load 8 simulated H200 replicas without saturating them.
 PRESETS: dict[str, Callable[..., Workload]] = {
-    # GAIE high-cache (2025-11): 256 groups x 16 prompts, system 2,048, question 256, out 256.
-    "gaie-high-cache": _preset_shared(
-        name="gaie-high-cache",
-        groups=256,
-        prompts=16,
-        system_tokens=2048,
-        question_tokens=256,
-        output_tokens=256,
-        rate=60.0,
-        requests=8192,
-    ),
+    "gaie-high-cache": _preset_shared(name="gaie-high-cache", **_GAIE_HIGH_CACHE),
     # The same sent as chat requests (the document a system message, the question a user
     # message), as a chat client or inference-perf's chat API sends it.
     "gaie-high-cache-chat": _preset_shared(
-        name="gaie-high-cache-chat",
-        groups=256,
-        prompts=16,
-        system_tokens=2048,
-        question_tokens=256,
-        output_tokens=256,
-        rate=60.0,
-        requests=8192,
-        chat=True,
+        name="gaie-high-cache-chat", chat=True, **_GAIE_HIGH_CACHE
     ),
     # GAIE low-cache (2025-11): system 256, question 2,048.
     "gaie-low-cache": _preset_shared(
