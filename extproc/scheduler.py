@@ -34,7 +34,9 @@ The algorithm, top to bottom:
    the recent new sessions (popularity.py; one system prompt for every conversation) does
    not attract them: they go as cold starts (rule 3), rule 'shared_prefix_spread'.
 3. Cold start: nobody eligible holds the session → rendezvous-hash the placement key over
-   the eligible endpoints (highest hash wins), skipping an endpoint whose queued work
+   the eligible endpoints (highest hash wins; for a new conversation whose preamble, the
+   system prompt and tools, is at least shared_prefix_fraction of its first turn and not
+   popular, the preamble's key, hashing.group_key, here and in rule 2's new sessions), skipping an endpoint whose queued work
    exceeds the least-loaded one's by more than cold_margin x the request's own cold
    prefill. Queued work only: a cheaper prefill where a shared preamble is cached must not
    count (see below). Independent router replicas with empty indexes agree on this choice
