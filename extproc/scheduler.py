@@ -34,11 +34,11 @@ The algorithm, top to bottom:
    the recent new sessions (popularity.py; one system prompt for every conversation) does
    not attract them: they go as cold starts (rule 3), rule 'shared_prefix_spread'.
 3. Cold start: nobody eligible holds the session → rendezvous-hash the placement key over
-   the eligible endpoints (highest hash wins; for a new conversation whose preamble, the
-   system prompt and tools, is at least shared_prefix_fraction of its first turn and not
-   popular, the preamble's key, hashing.group_key, here and in rule 2's new sessions), skipping an endpoint whose queued work
+   the eligible endpoints (highest hash wins), skipping an endpoint whose queued work
    exceeds the least-loaded one's by more than cold_margin x the request's own cold
-   prefill. Queued work only: a cheaper prefill where a shared preamble is cached must not
+   prefill. For a new conversation whose preamble (system prompt, tools) is at least
+   shared_prefix_fraction of its first turn and not popular, the key is the preamble's
+   (hashing.group_key), here and for rule 2's new sessions. Queued work only: a cheaper prefill where a shared preamble is cached must not
    count (see below). Independent router replicas with empty indexes agree on this choice
    whenever the top endpoint is not overloaded, so a conversation's turns meet on one endpoint
    without shared state. A match on a short shared preamble alone (one system prompt for
@@ -297,9 +297,9 @@ class Scheduler:
         # which had to move them back), and another router replica, which cold-starts a
         # later turn it sees first, looked for them elsewhere. A group's document (many
         # documents, each drawing a few sessions) is still followed. Once every endpoint
-        # holds the preamble, the two rules pick alike.
-        # Such a session (popular or not) is placed by its group key when it has one: every
-        # router replica then sends one document's questions to the same endpoint.
+        # holds the preamble, the two rules pick alike. A session whose preamble is not
+        # popular is placed by that preamble's key (group_key), so that every router replica
+        # sends one document's questions to the same endpoint.
         popular = False
         new_or_cold = best_eligible_match < session_blocks or best_eligible_match < needed
         if cfg.spread_popular_prefixes and new_or_cold:

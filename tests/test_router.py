@@ -630,18 +630,22 @@ def test_a_system_prompt_every_conversation_shares_spreads_them_and_their_later_
                 assert later.endpoint == first.endpoint
 
 
+def _question_on_document(q: int, g: int):
+    """Question q on document g of 16, the document a system message (the GAIE shape as chat)."""
+    document = f"Document {g}: " + f"fact {g} about caches. " * 120
+    return chat(f"Question {q} about document {g}: " + "please explain " * 20, system=document)
+
+
 def test_group_documents_are_followed_each_to_its_holder():
     """Many documents, each drawing a small share of the new sessions (a question about one
     of 16 documents per request, the GAIE shape sent as chat): each stays on one endpoint,
     and not copied to others."""
-    documents = [f"Document {g}: " + f"fact {g} about caches. " * 120 for g in range(16)]
     router = Router(RoutingConfig(), ENDPOINTS)
     homes: dict[int, set[str]] = {g: set() for g in range(16)}
     rules = Counter()
     for q in range(6):
         for g in range(16):
-            question = f"Question {q} about document {g}: " + "please explain " * 20
-            d = router.route(chat(question, system=documents[g]))
+            d = router.route(_question_on_document(q, g))
             router.finish(d)
             homes[g].add(d.endpoint)
             if q:
@@ -655,14 +659,12 @@ def test_router_replicas_send_the_questions_on_one_document_to_one_endpoint():
     replicas that share nothing: each document's questions, at either router, meet on one
     endpoint. Placed by the whole first turn, each router's first question on a document
     would go to its own rendezvous pick and copy the document there."""
-    documents = [f"Document {g}: " + f"fact {g} about caches. " * 120 for g in range(16)]
     routers = [Router(RoutingConfig(), ENDPOINTS), Router(RoutingConfig(), ENDPOINTS)]
     homes: dict[int, set[str]] = {g: set() for g in range(16)}
     for q in range(6):
         for g in range(16):
             router = routers[(q + g) % 2]
-            question = f"Question {q} about document {g}: " + "please explain " * 20
-            d = router.route(chat(question, system=documents[g]))
+            d = router.route(_question_on_document(q, g))
             router.finish(d)
             homes[g].add(d.endpoint)
     assert all(len(endpoints) == 1 for endpoints in homes.values())
