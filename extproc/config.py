@@ -180,6 +180,16 @@ class RoutingConfig(_Strict):
     stickiness: float = Field(
         default=8.0, ge=0, description="extra cost per token an endpoint lacks vs the best holder"
     )
+    # A copy into free room evicts nothing, and on an endpoint with nothing queued it delays
+    # nobody: moving there costs only this request's longer prefill (GAIE shape, 16 x 400k:
+    # p99 88 -> 81 ms for 0.003 of hit ratio; docs/benchmarks.md, item 13).
+    stickiness_fill: float = Field(
+        default=1.0,
+        ge=0,
+        le=1,
+        description="estimated cache fill at which a copy costs the full stickiness; below "
+        "it, less (one router alone, an endpoint without queued work); 0: always the full",
+    )
     # 0.1 since 2026-11-30 (0.5 before): over five draws of the simulator's grid one router's
     # GAIE tails at 16 replicas fell 95 -> 87 ms; worse on both metrics only in the overloaded
     # GAIE 4 x 100k cell (docs/benchmarks.md, item 10). Several router replicas widen it to

@@ -100,6 +100,9 @@ class PrefixIndex:
         self._positions: dict[str, int] = {}
         self._offsets = np.zeros(0, dtype=np.uint64)
         self._sizes = np.zeros(0, dtype=np.uint64)
+        # Per position: slots in use (as region.entries) and slots in all, for fill_positions.
+        self._entries = np.zeros(0)
+        self._slots = np.ones(0)
         self._fingerprints = np.zeros((0, WAYS), dtype=np.uint32)
         self._stamps = np.zeros((0, WAYS), dtype=np.uint64)
         self._clock = 1  # stamp 0 marks a never-used slot
@@ -136,6 +139,8 @@ class PrefixIndex:
         self._positions = {a: i for i, a in enumerate(regions)}
         self._offsets = np.array([r.offset for r in regions.values()], dtype=np.uint64)
         self._sizes = np.array([r.buckets for r in regions.values()], dtype=np.uint64)
+        self._entries = np.array([float(r.entries) for r in regions.values()])
+        self._slots = np.array([float(max(1, r.buckets * WAYS)) for r in regions.values()])
         self._fingerprints, self._stamps = fingerprints, stamps
 
     def forget(self, address: str) -> None:
@@ -146,6 +151,12 @@ class PrefixIndex:
             self._fingerprints[rows] = 0
             self._stamps[rows] = 0
             region.entries = 0
+            self._entries[self._positions[address]] = 0.0
+
+    def fill_positions(self, positions: np.ndarray) -> np.ndarray:
+        """Share of each endpoint's slots in use (0 to 1), by position: how much a new copy
+        there would evict. Slots are never emptied but by ``forget``, so this only rises."""
+        return self._entries[positions] / self._slots[positions]
 
     def capacity(self, address: str) -> int | None:
         region = self._regions.get(address)
@@ -248,14 +259,14 @@ class PrefixIndex:
 
     # -- updates --------------------------------------------------------------------------
     def record(self, address: str, hashes: np.ndarray) -> None:
-        region = self._regions.get(address)
-        if region is not None:
-            self._record(region, hashes)
+        position = self._positions.get(address)
+        if position is not None:
+            self._record(position, hashes)
 
     def record_position(self, position: int, hashes: np.ndarray) -> None:
-        self._record(self._by_position[position], hashes)
+        self._record(position, hashes)
 
-    def _record(self, region: _Region, hashes: np.ndarray) -> None:
+    def _record(self, position: int, hashes: np.ndarray) -> None:
         """The endpoint now holds these blocks: refresh the held ones, insert the rest.
 
         Stamps are touch order, earlier blocks of a request newer than later ones (an LRU
@@ -265,6 +276,7 @@ class PrefixIndex:
         count = len(hashes)
         if not count:
             return
+        region = self._by_position[position]
         base = self._clock
         self._clock += count + 1
         fingerprints, keys = self._split(hashes)
@@ -295,6 +307,7 @@ class PrefixIndex:
             table[slots] = fingerprints[now]
             stamps[slots] = order[now]
             pending = np.delete(pending, first) if len(first) < len(pending) else pending[:0]
+        self._entries[position] = region.entries
 
     # -- reporting ------------------------------------------------------------------------
     def entries_by_endpoint(self) -> dict[str, int]:

@@ -259,7 +259,9 @@ class Router:
         TRAFFIC_SHARE_WINDOWS scrape windows. Under half, other router replicas (or clients)
         place the rest without this router's index, and a cold start that stays on the
         rendezvous pick is what lets their placements meet: the cold-start margin moves
-        from cold_margin (alone) to shared_cold_margin (half or less), linearly. In the
+        from cold_margin (alone) to shared_cold_margin (half or less), linearly, and the
+        stickiness premium's floor from 0 to the full premium (this router's index then
+        sees only part of what fills the caches; CostModel.premium). In the
         simulator, K=4 router replicas stayed within 0.02 of one router's hit ratio in 12 of
         18 cells with margin 1 against 6 with 0.5, while one router's tails are shorter
         with a small margin (0.5 then, cold_margin 0.1 since; docs/benchmarks.md)."""
@@ -274,8 +276,8 @@ class Router:
         shared = min(1.0, 2.0 * (1.0 - self._traffic_share))
         alone = self._alone_cold_margin
         margin = alone + (self.config.shared_cold_margin - alone) * shared
-        if margin != self.cost.cold_margin:
-            self.cost = dataclasses.replace(self.cost, cold_margin=margin)
+        if margin != self.cost.cold_margin or shared != self.cost.stickiness_floor:
+            self.cost = dataclasses.replace(self.cost, cold_margin=margin, stickiness_floor=shared)
             self.scheduler.cost = self.cost
 
     def own_queued_work(self) -> dict[str, float]:
@@ -485,6 +487,7 @@ class Router:
             weight=self._weight[positions],
             address_hash=self._address_hash[positions],
             saturated=self._saturated[positions],
+            fill=self.index.fill_positions(positions),
         )
         session = session_blocks(
             request, hashes, cfg.block_size_bytes, cfg.cold_start_key, cfg.cold_start_blocks

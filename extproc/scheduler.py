@@ -22,7 +22,9 @@ The algorithm, top to bottom:
    prefill there (cheaper where more of the prompt is cached) + stickiness x the tokens it
    lacks compared with the best-matching eligible endpoint; the cheapest wins. So a request
    stays with its prefix unless the queue there costs more than the prefill it would save
-   (plus the stickiness premium, which stands for the later requests that reuse the prefix).
+   (plus the stickiness premium, which stands for the later requests that reuse the prefix;
+   on an endpoint with free room in its cache and nothing queued, a copy costs them nothing,
+   and the premium shrinks with its estimated fill, for a router alone: stickiness_fill).
    A new session drawn by a shared prefix alone (held, but not its own first turn) goes by
    the rendezvous order among the endpoints whose cost is within cold_margin x its cold
    prefill of the cheapest, as a cold start would: another router replica that sees only
@@ -89,6 +91,8 @@ class EndpointTable:
     address_hash: np.ndarray | None = None
     # bool: its KV cache is (nearly) full of running requests, as the endpoint reports.
     saturated: np.ndarray | None = None
+    # float64 0..1: share of its cache in use, as the index estimates it; None = all full.
+    fill: np.ndarray | None = None
     rows: np.ndarray | None = None
 
     def __len__(self) -> int:
@@ -137,6 +141,11 @@ class CostModel:
     # Cold start: skip rendezvous picks whose cost exceeds the cheapest by more than this
     # fraction of the request's own cold prefill.
     cold_margin: float = 0.1
+    # Estimated cache fill at which a copy costs the full stickiness (0: always full), and
+    # the least share of it charged whatever the fill (the router raises it to 1 when other
+    # router replicas share the endpoints: its index then sees only its own insertions).
+    stickiness_fill: float = 1.0
+    stickiness_floor: float = 0.0
 
     @classmethod
     def from_config(cls, config: RoutingConfig) -> CostModel:
@@ -146,6 +155,7 @@ class CostModel:
             drain_per_second=config.prefill_tokens_per_second,
             stickiness=config.stickiness,
             cold_margin=config.cold_margin,
+            stickiness_fill=config.stickiness_fill,
         )
 
     def prefill(self, tokens: float, cached: float) -> float:
@@ -157,6 +167,17 @@ class CostModel:
         """``prefill`` for an array of cached token counts."""
         new = np.maximum(1.0, tokens - cached)
         return self.base_tokens + new + self.ctx_factor * new * (tokens - new / 2)
+
+    def premium(self, fill: np.ndarray | None, work: np.ndarray) -> np.ndarray | float:
+        """Stickiness per lacking token on each endpoint. A copy there evicts other blocks
+        (when its cache is full) and delays the requests queued behind its longer prefill;
+        on an endpoint with free room and less queued work than one request's fixed cost,
+        neither, and the later requests of the prefix can use either copy: it pays in
+        proportion to its fill. Without fills (``fill`` None): the full premium."""
+        if fill is None or self.stickiness_fill <= 0 or self.stickiness_floor >= 1:
+            return self.stickiness
+        share = np.maximum(self.stickiness_floor, np.minimum(1.0, fill / self.stickiness_fill))
+        return self.stickiness * np.where(work > self.base_tokens, 1.0, share)
 
 
 @dataclass(slots=True)
@@ -316,7 +337,8 @@ class Scheduler:
             if new_session:
                 eligible = _with_room(eligible, table.saturated)
             best_tokens = min(n, best_eligible_match * block_tokens)
-            score = -(cost + model.stickiness * np.maximum(0.0, best_tokens - cached))
+            premium = model.premium(table.fill, work)
+            score = -(cost + premium * np.maximum(0.0, best_tokens - cached))
             if new_session:
                 # The rendezvous order among the endpoints within the cold-start margin of
                 # the best, not simply the best: another router replica that sees a later
