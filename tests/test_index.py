@@ -96,6 +96,24 @@ def test_index_matches_per_endpoint_and_forgets():
     assert index.stats().endpoints == 2
 
 
+def test_fill_is_the_share_of_slots_in_use_per_endpoint():
+    rng = random.Random(7)
+    index = PrefixIndex()
+    index.set_endpoints({"a": 8 * WAYS, "b": 8 * WAYS})
+    both = np.arange(2)
+    assert index.fill_positions(both).tolist() == [0.0, 0.0]
+    index.record("a", chain(rng, 16))
+    fill = index.fill_positions(both)
+    assert fill[1] == 0.0 and fill[0] == index.entries_by_endpoint()["a"] / (8 * WAYS) > 0
+    for _ in range(20):  # many more blocks than slots: full, never more
+        index.record_position(0, chain(rng, 16))
+    assert index.fill_positions(np.array([0])).tolist() == [1.0]
+    index.set_endpoints({"a": 8 * WAYS, "b": 8 * WAYS, "c": WAYS})  # survivors keep it
+    assert index.fill_positions(np.arange(3)).tolist() == [1.0, 0.0, 0.0]
+    index.forget("a")
+    assert index.fill_positions(np.array([0])).tolist() == [0.0]
+
+
 def test_set_endpoints_keeps_unchanged_drops_removed_and_empties_resized():
     rng = random.Random(5)
     blocks = chain(rng, 10)

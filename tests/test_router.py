@@ -1,7 +1,9 @@
 """Scheduler rules through the routing core: affinity, load guard, cold-start agreement."""
 
+import dataclasses
 from collections import Counter
 
+import numpy as np
 import orjson
 import pytest
 
@@ -262,6 +264,57 @@ def test_cost_model_comes_from_the_routing_config():
     assert router.cost == CostModel.from_config(config)
     assert router.cost.drain_per_second == 1000.0 and router.cost.stickiness == 0.5
     assert CostModel.from_config(RoutingConfig()) == CostModel()  # defaults agree
+
+
+def test_the_stickiness_premium_scales_with_the_targets_fill_only_when_it_is_idle():
+    from extproc.scheduler import CostModel
+
+    model = CostModel(stickiness=8.0, stickiness_fill=0.5)
+    fill, idle = np.array([0.0, 0.25, 0.5, 1.0]), np.zeros(4)
+    assert model.premium(fill, idle).tolist() == [0.0, 4.0, 8.0, 8.0]
+    busy = np.full(4, model.base_tokens + 1)  # more queued than one request's fixed cost
+    assert model.premium(fill, busy).tolist() == [8.0] * 4
+    shared = dataclasses.replace(model, stickiness_floor=0.5)
+    assert shared.premium(fill, idle).tolist() == [4.0, 4.0, 8.0, 8.0]
+    assert model.premium(None, idle) == 8.0
+    assert dataclasses.replace(model, stickiness_fill=0.0).premium(fill, idle) == 8.0
+
+
+def _session_behind_a_queued_job(config: RoutingConfig, *, others_busy: bool = False):
+    """A ~4k-token session on its holder, which then gets a ~12k-token job queued: less than
+    the full premium for the session's tokens (8 x 4k), more than a cold prefill elsewhere."""
+    router = Router(config, ENDPOINTS, clock=Clock())
+    for i in range(24):  # enough finished requests to measure the traffic share by
+        router.finish(router.route(chat(f"conversation {i} " * 30)))
+    turn1 = chat("explain rendezvous hashing " * 600)
+    first = router.route(turn1)
+    router.finish(first)
+    router.route(completion("queued job. " * 4000), allowed=frozenset({first.endpoint}))
+    if others_busy:
+        for endpoint in ENDPOINTS:
+            if endpoint.address != first.endpoint:
+                router.route(completion("short job " * 40), allowed=frozenset({endpoint.address}))
+    turn2 = chat("explain rendezvous hashing " * 600, "sure: ...", "and with weights?")
+    return router, first, turn2
+
+
+def test_a_router_alone_copies_a_session_into_an_idle_endpoints_free_room():
+    """stickiness_fill (docs/benchmarks.md, item 13): a copy on an endpoint with free room
+    and nothing queued evicts nothing and delays nobody, so the session moves off a queue
+    shorter than its full premium; it waits with stickiness_fill=0, when the others are
+    busy, or when other router replicas serve most of the traffic."""
+    router, first, turn2 = _session_behind_a_queued_job(RoutingConfig())
+    moved = router.route(turn2)
+    assert moved.rule == RULE_LOAD_GUARD and moved.endpoint != first.endpoint
+    router, first, turn2 = _session_behind_a_queued_job(RoutingConfig(stickiness_fill=0.0))
+    stay = router.route(turn2)
+    assert stay.rule == RULE_AFFINITY and stay.endpoint == first.endpoint
+    router, first, turn2 = _session_behind_a_queued_job(RoutingConfig(), others_busy=True)
+    assert router.route(turn2).endpoint == first.endpoint
+    router, first, turn2 = _session_behind_a_queued_job(RoutingConfig())
+    _report_finished(router, 4.0)  # this router sends a quarter of what they serve
+    assert router.cost.stickiness_floor == 1.0
+    assert router.route(turn2).endpoint == first.endpoint
 
 
 def test_long_shared_prefix_attracts_new_sessions_but_a_short_preamble_does_not():

@@ -9,6 +9,7 @@ import random
 import pytest
 
 from extproc.cli import main
+from extproc.config import RoutingConfig
 from extproc.sim.cache import ChunkLRU
 from extproc.sim.engine import SimParams, simulate
 from extproc.sim.policies import (
@@ -318,3 +319,34 @@ def test_documents_sent_as_chat_keep_their_hit_ratio_with_router_replicas() -> N
         for k in (1, 4)
     }
     assert hit[1] > 0.75 and hit[4] > hit[1] - 0.03, hit
+
+
+def test_a_router_alone_copies_a_hot_document_into_free_room_to_cut_the_tail() -> None:
+    """Loose caches (16 x 400k, 64 documents): with the premium scaled by the target's fill
+    (stickiness_fill, item 13 of docs/benchmarks.md) a request waiting behind its document's
+    holder moves to an idle endpoint with free room; with the full premium it waits. Four
+    router replicas keep the full premium once they measure their share of the traffic."""
+    from extproc.sim.workloads import shared_prefix
+
+    workload = shared_prefix(
+        groups=64,
+        prompts=16,
+        system_tokens=2048,
+        question_tokens=256,
+        output_tokens=64,
+        rate=60.0,
+        requests=1024,
+    )
+
+    def run(k: int, fill: float) -> dict:
+        routing = RoutingConfig(stickiness_fill=fill)
+        params = SimParams(replicas=16, capacity_tokens=400_000, router_replicas=k, routing=routing)
+        return summarize(simulate(workload, "ours", params), 1.0)
+
+    scaled, full = run(1, 1.0), run(1, 0.0)
+    assert scaled["ttft_p99_ms"] < 0.9 * full["ttft_p99_ms"], (scaled, full)
+    assert scaled["hit_ratio"] > full["hit_ratio"] - 0.02
+    assert scaled["rules"].get("load_guard", 0) > full["rules"].get("load_guard", 0)
+    shared, shared_full = run(4, 1.0), run(4, 0.0)
+    assert shared["ttft_p99_ms"] == pytest.approx(shared_full["ttft_p99_ms"], rel=0.02)
+    assert shared["hit_ratio"] == pytest.approx(shared_full["hit_ratio"], abs=0.005)
