@@ -181,14 +181,15 @@ class RoutingConfig(_Strict):
         default=8.0, ge=0, description="extra cost per token an endpoint lacks vs the best holder"
     )
     # A copy into free room evicts nothing, and on an endpoint with nothing queued it delays
-    # nobody: moving there costs only this request's longer prefill (GAIE shape, 16 x 400k:
-    # p99 88 -> 81 ms for 0.003 of hit ratio; docs/benchmarks.md, item 13).
+    # nobody. Off by default: in the simulator 1 trades hit ratio for tail (GAIE 16 x 400k:
+    # 0.924 / 88 ms -> 0.921 / 81), but on two real vLLM servers it cost 0.02-0.06 of hit
+    # ratio for mixed tails (docs/benchmarks.md, item 13).
     stickiness_fill: float = Field(
-        default=1.0,
+        default=0.0,
         ge=0,
         le=1,
         description="estimated cache fill at which a copy costs the full stickiness; below "
-        "it, less (one router alone, an endpoint without queued work); 0: always the full",
+        "it, less (one router alone, an endpoint without queued work); 0: off, always full",
     )
     # 0.1 since 2026-11-30 (0.5 before): over five draws of the simulator's grid one router's
     # GAIE tails at 16 replicas fell 95 -> 87 ms; worse on both metrics only in the overloaded

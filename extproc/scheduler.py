@@ -23,8 +23,8 @@ The algorithm, top to bottom:
    lacks compared with the best-matching eligible endpoint; the cheapest wins. So a request
    stays with its prefix unless the queue there costs more than the prefill it would save
    (plus the stickiness premium, which stands for the later requests that reuse the prefix;
-   on an endpoint with free room in its cache and nothing queued, a copy costs them nothing,
-   and the premium shrinks with its estimated fill, for a router alone: stickiness_fill).
+   with stickiness_fill set, off by default, a router alone scales it by the estimated fill
+   of an endpoint with nothing queued: a copy into free room evicts nothing).
    A new session drawn by a shared prefix alone (held, but not its own first turn) goes by
    the rendezvous order among the endpoints whose cost is within cold_margin x its cold
    prefill of the cheapest, as a cold start would: another router replica that sees only
@@ -144,7 +144,7 @@ class CostModel:
     # Estimated cache fill at which a copy costs the full stickiness (0: always full), and
     # the least share of it charged whatever the fill (the router raises it to 1 when other
     # router replicas share the endpoints: its index then sees only its own insertions).
-    stickiness_fill: float = 1.0
+    stickiness_fill: float = 0.0
     stickiness_floor: float = 0.0
 
     @classmethod

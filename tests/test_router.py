@@ -301,17 +301,18 @@ def _session_behind_a_queued_job(config: RoutingConfig, *, others_busy: bool = F
 def test_a_router_alone_copies_a_session_into_an_idle_endpoints_free_room():
     """stickiness_fill (docs/benchmarks.md, item 13): a copy on an endpoint with free room
     and nothing queued evicts nothing and delays nobody, so the session moves off a queue
-    shorter than its full premium; it waits with stickiness_fill=0, when the others are
-    busy, or when other router replicas serve most of the traffic."""
-    router, first, turn2 = _session_behind_a_queued_job(RoutingConfig())
+    shorter than its full premium; it waits by default (off), when the others are busy, or
+    when other router replicas serve most of the traffic."""
+    scaled = RoutingConfig(stickiness_fill=1.0)
+    router, first, turn2 = _session_behind_a_queued_job(scaled)
     moved = router.route(turn2)
     assert moved.rule == RULE_LOAD_GUARD and moved.endpoint != first.endpoint
-    router, first, turn2 = _session_behind_a_queued_job(RoutingConfig(stickiness_fill=0.0))
+    router, first, turn2 = _session_behind_a_queued_job(RoutingConfig())
     stay = router.route(turn2)
     assert stay.rule == RULE_AFFINITY and stay.endpoint == first.endpoint
-    router, first, turn2 = _session_behind_a_queued_job(RoutingConfig(), others_busy=True)
+    router, first, turn2 = _session_behind_a_queued_job(scaled, others_busy=True)
     assert router.route(turn2).endpoint == first.endpoint
-    router, first, turn2 = _session_behind_a_queued_job(RoutingConfig())
+    router, first, turn2 = _session_behind_a_queued_job(scaled)
     _report_finished(router, 4.0)  # this router sends a quarter of what they serve
     assert router.cost.stickiness_floor == 1.0
     assert router.route(turn2).endpoint == first.endpoint

@@ -323,9 +323,10 @@ def test_documents_sent_as_chat_keep_their_hit_ratio_with_router_replicas() -> N
 
 def test_a_router_alone_copies_a_hot_document_into_free_room_to_cut_the_tail() -> None:
     """Loose caches (16 x 400k, 64 documents): with the premium scaled by the target's fill
-    (stickiness_fill, item 13 of docs/benchmarks.md) a request waiting behind its document's
-    holder moves to an idle endpoint with free room; with the full premium it waits. Four
-    router replicas keep the full premium once they measure their share of the traffic."""
+    (stickiness_fill: 1, off by default; item 13 of docs/benchmarks.md) a request waiting
+    behind its document's holder moves to an idle endpoint with free room; with the full
+    premium it waits. Four router replicas keep the full premium once they measure their
+    share of the traffic."""
     from extproc.sim.workloads import shared_prefix
 
     workload = shared_prefix(
