@@ -487,7 +487,7 @@ class Router:
             weight=self._weight[positions],
             address_hash=self._address_hash[positions],
             saturated=self._saturated[positions],
-            fill=self.index.fill_positions(positions),
+            fill=self.index.fill_positions(positions) if self.cost.stickiness_fill else None,
         )
         session = session_blocks(
             request, hashes, cfg.block_size_bytes, cfg.cold_start_key, cfg.cold_start_blocks
