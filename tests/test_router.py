@@ -723,3 +723,22 @@ def test_router_replicas_send_the_questions_on_one_document_to_one_endpoint():
             homes[g].add(d.endpoint)
     assert all(len(endpoints) == 1 for endpoints in homes.values())
     assert len(set().union(*homes.values())) == len(ENDPOINTS)  # and the documents spread
+
+
+def test_a_question_follows_its_partly_held_document_to_the_holder():
+    """A document (system message) whose holder keeps only its first blocks, the rest evicted:
+    the next question goes to that holder, as a completion's would, not to the document's
+    rendezvous pick where nothing is held. Requiring half the prompt held sent it to the
+    pick (chat-form GAIE 8 x 100k in the simulator: 0.855 against 0.876 now)."""
+    document = "Document 7: " + "fact 7 about caches. " * 120
+    question = "Question {} about document 7: " + "please explain " * 20
+
+    fresh = Router(RoutingConfig(), ENDPOINTS)
+    pick = fresh.route(chat(question.format(0), system=document)).endpoint
+    holder = next(e.address for e in ENDPOINTS if e.address != pick)
+    router = Router(RoutingConfig(), ENDPOINTS)
+    head = chat(question.format(1), system=document[: len(document) * 2 // 5])
+    router.finish(router.route(head, allowed=frozenset({holder})))
+    decision = router.route(chat(question.format(2), system=document))
+    assert decision.endpoint == holder
+    assert 4 <= decision.matched_blocks < decision.total_blocks / 2
