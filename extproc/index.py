@@ -50,7 +50,6 @@ class _Region:
     offset: int  # first bucket
     buckets: int
     capacity: int  # blocks, as configured
-    entries: int = 0
 
 
 def split_hashes(hashes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -100,9 +99,7 @@ class PrefixIndex:
         self._positions: dict[str, int] = {}
         self._offsets = np.zeros(0, dtype=np.uint64)
         self._sizes = np.zeros(0, dtype=np.uint64)
-        # Per position: slots in use (as region.entries) and slots in all, for fill_positions.
-        self._entries = np.zeros(0)
-        self._slots = np.ones(0)
+        self._entries = np.zeros(0, dtype=np.int64)  # slots in use, per position
         self._fingerprints = np.zeros((0, WAYS), dtype=np.uint32)
         self._stamps = np.zeros((0, WAYS), dtype=np.uint64)
         self._clock = 1  # stamp 0 marks a never-used slot
@@ -126,21 +123,21 @@ class PrefixIndex:
             offset += buckets
         fingerprints = np.zeros((offset, WAYS), dtype=np.uint32)
         stamps = np.zeros((offset, WAYS), dtype=np.uint64)
-        for address, new in regions.items():
+        entries = np.zeros(len(regions), dtype=np.int64)
+        for position, (address, new) in enumerate(regions.items()):
             old = self._regions.get(address)
             if old is not None and old.capacity == new.capacity:
                 source = slice(old.offset, old.offset + old.buckets)
                 target = slice(new.offset, new.offset + new.buckets)
                 fingerprints[target] = self._fingerprints[source]
                 stamps[target] = self._stamps[source]
-                new.entries = old.entries
+                entries[position] = self._entries[self._positions[address]]
         self._regions = regions
         self._by_position = list(regions.values())
         self._positions = {a: i for i, a in enumerate(regions)}
         self._offsets = np.array([r.offset for r in regions.values()], dtype=np.uint64)
         self._sizes = np.array([r.buckets for r in regions.values()], dtype=np.uint64)
-        self._entries = np.array([float(r.entries) for r in regions.values()])
-        self._slots = np.array([float(max(1, r.buckets * WAYS)) for r in regions.values()])
+        self._entries = entries
         self._fingerprints, self._stamps = fingerprints, stamps
 
     def forget(self, address: str) -> None:
@@ -150,13 +147,12 @@ class PrefixIndex:
             rows = slice(region.offset, region.offset + region.buckets)
             self._fingerprints[rows] = 0
             self._stamps[rows] = 0
-            region.entries = 0
-            self._entries[self._positions[address]] = 0.0
+            self._entries[self._positions[address]] = 0
 
     def fill_positions(self, positions: np.ndarray) -> np.ndarray:
         """Share of each endpoint's slots in use (0 to 1), by position: how much a new copy
         there would evict. Slots are never emptied but by ``forget``, so this only rises."""
-        return self._entries[positions] / self._slots[positions]
+        return self._entries[positions] / (self._sizes[positions] * WAYS)
 
     def capacity(self, address: str) -> int | None:
         region = self._regions.get(address)
@@ -303,20 +299,19 @@ class PrefixIndex:
             slots = now_rows * WAYS + ages.argmin(axis=1)
             if not free.all():
                 now, slots = now[free], slots[free]
-            region.entries += int(np.count_nonzero(table[slots] == 0))
+            self._entries[position] += int(np.count_nonzero(table[slots] == 0))
             table[slots] = fingerprints[now]
             stamps[slots] = order[now]
             pending = np.delete(pending, first) if len(first) < len(pending) else pending[:0]
-        self._entries[position] = region.entries
 
     # -- reporting ------------------------------------------------------------------------
     def entries_by_endpoint(self) -> dict[str, int]:
-        return {address: region.entries for address, region in self._regions.items()}
+        return {address: int(self._entries[i]) for address, i in self._positions.items()}
 
     def stats(self) -> IndexStats:
         return IndexStats(
             endpoints=len(self._regions),
-            entries=sum(r.entries for r in self._regions.values()),
+            entries=int(self._entries.sum()),
             capacity=sum(r.capacity for r in self._regions.values()),
             approx_bytes=self._fingerprints.nbytes + self._stamps.nbytes,
         )
