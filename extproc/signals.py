@@ -62,16 +62,30 @@ class EndpointSignals:
     window_prefill: tuple[float, float, float] | None = None
 
 
+_CONFIG_INFO = "vllm:cache_config_info"
+_READ = frozenset((*_GAUGES, *_COUNTERS, _CONFIG_INFO))
+
+
+def _samples_read(text: str) -> str:
+    """Only the sample lines parse_metrics reads. A vLLM page is ~600 lines (50 KB, mostly
+    histogram buckets), and parsing all of it took ~8-20 ms per scrape on the router's
+    event loop, a stall every decision waiting behind it shared; the dozen lines it reads
+    parse in well under a millisecond (docs/benchmarks.md, item 15)."""
+    return "\n".join(
+        line for line in text.splitlines() if line.partition("{")[0].partition(" ")[0] in _READ
+    )
+
+
 def parse_metrics(text: str) -> EndpointSignals:
     signals = EndpointSignals(up=True)
     sums: dict[str, float] = {}
-    for family in text_string_to_metric_families(text):
+    for family in text_string_to_metric_families(_samples_read(text)):
         for sample in family.samples:
             name = sample.name
             if name in _GAUGES or name in _COUNTERS:
                 field = _GAUGES.get(name) or _COUNTERS[name]
                 sums[field] = sums.get(field, 0.0) + sample.value
-            elif name == "vllm:cache_config_info":
+            elif name == _CONFIG_INFO:
                 with contextlib.suppress(KeyError, ValueError):
                     signals.block_size = int(sample.labels["block_size"])
                     signals.num_blocks = int(sample.labels["num_gpu_blocks"])

@@ -108,3 +108,20 @@ async def test_health_checker_thresholds():
             assert health == {live: True, dead: False}
     finally:
         await runner.cleanup()
+
+
+def test_a_real_vllm_page_parses_alike_when_only_the_read_samples_are_parsed(monkeypatch):
+    """A whole /metrics page of vLLM 0.32.0 (CPU, after one request): 614 lines, of which
+    parse_metrics reads nine. Filtering the rest out first must not change what it reads."""
+    from pathlib import Path
+
+    from extproc import signals
+
+    text = (Path(__file__).parent / "data" / "vllm-0.32.0-metrics.txt").read_text()
+    filtered = parse_metrics(text)
+    assert (filtered.running, filtered.waiting, filtered.kv_usage) == (0.0, 0.0, 0.0)
+    assert (filtered.queries, filtered.hits, filtered.block_size) == (13.0, 0.0, 32)
+    assert (filtered.num_blocks, filtered.prefills, filtered.prefill_tokens) == (8192, 1.0, 13.0)
+    assert len(signals._samples_read(text).splitlines()) == 9
+    monkeypatch.setattr(signals, "_samples_read", lambda page: page)
+    assert parse_metrics(text) == filtered
