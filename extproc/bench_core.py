@@ -220,6 +220,31 @@ def peer_placements(endpoints: int, requests: int, rounds: int = 5) -> dict[str,
     }
 
 
+def metrics_parse(page: Path, rounds: int = 5, repeat: int = 50) -> dict[str, Any]:
+    """The event-loop time one scrape of ``page`` (an endpoint's /metrics text) costs:
+    parse_metrics as it is (only the samples it reads are parsed) against handing the whole
+    page to prometheus_client's parser, as it did before; alternating rounds, ms per page."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from .signals import parse_metrics
+
+    text = page.read_text()
+
+    def whole() -> None:
+        for family in text_string_to_metric_families(text):
+            for _ in family.samples:
+                pass
+
+    timings: dict[str, list[float]] = {"filtered_ms": [], "whole_page_ms": []}
+    for _ in range(rounds):
+        for name, parse in (("filtered_ms", lambda: parse_metrics(text)), ("whole_page_ms", whole)):
+            started = time.perf_counter()
+            for _ in range(repeat):
+                parse()
+            timings[name].append(round(1000 * (time.perf_counter() - started) / repeat, 3))
+    return {"page": str(page), "lines": len(text.splitlines()), "bytes": len(text), **timings}
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--sizes", default="2,32,1024", help="body sizes in KiB")
     parser.add_argument("--endpoints", default="4,64,512", help="endpoint counts")
@@ -241,6 +266,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="also measure what sharing placements with peer routers costs (decision with "
         "and without the log; recording a peer's placements, per reader slice)",
+    )
+    parser.add_argument(
+        "--metrics-page",
+        metavar="FILE",
+        type=Path,
+        help="also time parsing this /metrics page (filtered, and whole as before), e.g. "
+        "tests/data/vllm-0.32.0-metrics.txt",
     )
     parser.add_argument("--json", metavar="FILE")
 
@@ -293,6 +325,12 @@ def run(args: argparse.Namespace) -> int:
                 f"  recording {row['placements']} placements x {row['blocks_each']} blocks: "
                 f"total ms {row['total_ms']}, longest slice ms {row['longest_slice_ms']}"
             )
+    if args.metrics_page:
+        parsed = metrics_parse(args.metrics_page)
+        doc["metrics_parse"] = parsed
+        print(f"/metrics page {parsed['page']} ({parsed['lines']} lines, five alternating rounds):")
+        print(f"  parse_metrics (read samples only) ms: {parsed['filtered_ms']}")
+        print(f"  whole page, prometheus_client     ms: {parsed['whole_page_ms']}")
     if args.json:
         Path(args.json).write_text(json.dumps(doc, indent=2))
     return 0

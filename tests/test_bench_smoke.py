@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
 from extproc.cli import main
+
+METRICS_PAGE = Path(__file__).parent / "data" / "vllm-0.32.0-metrics.txt"
 
 
 def test_bench_core_short(tmp_path):
@@ -25,6 +28,8 @@ def test_bench_core_short(tmp_path):
                 "4,2000",
                 "--profile",
                 "--peer-placements",
+                "--metrics-page",
+                str(METRICS_PAGE),
                 "--json",
                 str(out),
             ]
@@ -32,6 +37,10 @@ def test_bench_core_short(tmp_path):
         == 0
     )
     doc = json.loads(out.read_text())
+    parsed = doc["metrics_parse"]
+    assert (
+        parsed["lines"] == 614 and len(parsed["filtered_ms"]) == len(parsed["whole_page_ms"]) == 5
+    )
     shared = doc["peer_placements"]
     assert len(shared["decision_us_without_log"]) == len(shared["decision_us_with_log"]) == 5
     for row in shared["recording"]:
