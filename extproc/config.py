@@ -243,6 +243,13 @@ class RoutingConfig(_Strict):
         description="count requests an endpoint reports waiting beyond this router's own "
         "as queued work (several router replicas)",
     )
+    kv_blocked_fraction: float = Field(
+        default=0.9,
+        ge=0,
+        le=1,
+        description="reported KV usage at which an endpoint's waiting requests wait for memory: "
+        "all of them count as queued work, this router's own too (0 = off)",
+    )
     kv_saturated_fraction: float = Field(
         default=0.98,
         gt=0,
@@ -366,7 +373,7 @@ class SignalsConfig(_Strict):
 
     enabled: bool = Field(default=True, description="scrape each endpoint's metrics")
     path: str = Field(default="/metrics", description="metrics path on the endpoint")
-    interval_seconds: float = Field(default=2.0, gt=0, description="time between scrapes")
+    interval_seconds: float = Field(default=0.5, gt=0, description="time between scrapes")
     timeout_seconds: float = Field(default=1.0, gt=0, description="scrape timeout")
 
 

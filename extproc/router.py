@@ -116,6 +116,10 @@ class Router:
         # Other routers' queued work as of the last scrape (``_unseen``), and the charges of
         # requests that ended before their prefill may have (``_detached_now``).
         self._unseen_work = _DrainingWork()
+        # Requests waiting for KV memory that this router sent (``_memory_bound``), and which
+        # endpoints report a (nearly) full cache.
+        self._blocked_work = _DrainingWork()
+        self._kv_full = np.zeros(0, dtype=bool)
         self._detached = _DrainingWork()
         # Other router replicas' own queued work, as they last reported it (observe_peer_work):
         # per peer (work per endpoint address, clock time), and their sum as of the last report.
@@ -170,7 +174,8 @@ class Router:
         self._work_at = carried(self._work_at, 0.0, np.float64)
         self._reported_load = carried(self._reported_load, np.nan, np.float64)
         self._saturated = carried(self._saturated, False, bool)
-        for draining in (self._unseen_work, self._detached, self._peer_work):
+        self._kv_full = carried(self._kv_full, False, bool)
+        for draining in (self._unseen_work, self._blocked_work, self._detached, self._peer_work):
             draining.amount = carried(draining.amount, 0.0, np.float64)
             draining.since = carried(draining.since, 0.0, np.float64)
         self._weight = np.array([float(e.weight) for e in endpoints], dtype=np.float64)
@@ -205,16 +210,20 @@ class Router:
         if prefill_window is not None:
             self._learn_prefill_rate(*prefill_window)
             self._learn_traffic_share(i, prefill_window[1])
-        self._unseen_work.amount[i] = 0.0
+        self._unseen_work.amount[i] = self._blocked_work.amount[i] = 0.0
+        self._kv_full[i] = up and self._memory_bound(kv_usage)
         if not up:
             self._reported_load[i], self._saturated[i] = np.nan, False
             return
         known = [v for v in (running, waiting) if v is not None]
         self._reported_load[i] = sum(known) if known else np.nan
-        if waiting is not None and self.config.count_unseen_waiting:
+        if waiting is not None:
+            now, rate = self.clock(), self.cost.drain_per_second
             unseen = max(0.0, waiting - float(self._in_flight[i]))
-            work, rate = unseen * self._typical_work, self.cost.drain_per_second
-            self._unseen_work.set(i, work, self.clock(), rate)
+            if self.config.count_unseen_waiting:
+                self._unseen_work.set(i, unseen * self._typical_work, now, rate)
+            if self._kv_full[i] and waiting > unseen:
+                self._blocked_work.set(i, (waiting - unseen) * self._typical_work, now, rate)
         self._saturated[i] = kv_usage is not None and kv_usage >= self.config.kv_saturated_fraction
         if kv_capacity_tokens and not self._capacity_configured[i]:
             blocks = self.capacity_blocks(kv_capacity_tokens)
@@ -223,6 +232,16 @@ class Router:
                 self.index.set_endpoints(
                     dict(zip(self._addresses, self._capacity_blocks, strict=True))
                 )
+
+    def _memory_bound(self, kv_usage: float | None) -> bool:
+        """Requests waiting there wait for KV memory, not for the prefills ahead of them:
+        this router's charges for its own drained on its clock as if they were being
+        prefilled, so each of them counts again, priced and drained like another router's
+        (``_unseen``), while another endpoint has room. A tight KV cache under multi-turn
+        chat (simulator, 4 x 50k tokens) queued sessions behind full caches while the others
+        had room (docs/benchmarks.md, item 15)."""
+        fraction = self.config.kv_blocked_fraction
+        return fraction > 0 and kv_usage is not None and kv_usage >= fraction
 
     def _learn_prefill_rate(self, tokens: float, prefills: float, seconds: float) -> None:
         """Queued work drains at the endpoints' prefill throughput, which depends on the GPU
@@ -250,6 +269,7 @@ class Router:
         # Other routers' work and detached charges drain at the new rate from their own
         # start times: when nothing is left of them moves with it.
         self._unseen_work.rate_changed(rate)
+        self._blocked_work.rate_changed(rate)
         self._detached.rate_changed(rate)
         self._peer_work.rate_changed(rate)
 
@@ -376,8 +396,14 @@ class Router:
         see only their own charges; without this, another router's 191k-token Mooncake
         prompt held a simulated endpoint for 40 s while the others kept sending it
         requests (K=4 p99 up to 8x K=1's, docs/benchmarks.md). With one router (and no
-        client bypassing it) nothing waits beyond its own in-flight requests: zero."""
-        left = self._unseen_work.left(positions, now, self.cost.drain_per_second)
+        client bypassing it) nothing waits beyond its own in-flight requests: zero, unless
+        the endpoint waits for KV memory (``_memory_bound``) while another has room: when
+        every cache is full a move only trades places and loses the prefix (two CPU vLLM
+        servers with 160-block caches, item 15)."""
+        rate = self.cost.drain_per_second
+        left = self._unseen_work.left(positions, now, rate)
+        if not self._kv_full[positions].all():
+            left = left + self._blocked_work.left(positions, now, rate)
         if isinstance(left, np.ndarray) and left.any():
             # Only the excess over the endpoints' median: a queue every endpoint has does not
             # say where to send, and in an overloaded pool counting it in full had each router

@@ -389,6 +389,46 @@ def test_requests_waiting_beyond_this_routers_own_count_as_work_until_they_would
         assert other.route(turn2).endpoint == home
 
 
+def test_requests_waiting_for_kv_memory_count_as_work_though_this_router_sent_them():
+    """One router: the requests an endpoint reports waiting are its own, and their charges
+    drained on its clock as if they were being prefilled. With the KV cache nearly full they
+    are waiting for memory instead, and a conversation moves off rather than queue behind
+    them; with room in the cache, with every cache full (a move would only trade places),
+    or with the rule off, it stays."""
+    clock = Clock()
+    config = RoutingConfig(load_slack=1000)  # no count guard: the queued work alone decides
+    turn1 = chat("explain rendezvous hashing " * 600)
+    turn2 = chat("explain rendezvous hashing " * 600, "sure: ...", "and with weights?")
+
+    def second_turn(config: RoutingConfig, kv_usage: float, others_full: bool = False):
+        router = Router(config, ENDPOINTS, clock=clock)
+        if others_full:
+            for endpoint in ENDPOINTS:
+                router.observe_signals(endpoint.address, up=True, waiting=0, kv_usage=0.97)
+        first = router.route(turn1)
+        router.finish(first)
+        home = first.endpoint
+        assert home is not None
+        mine = [router.route(completion(f"own request {i}"), allowed={home}) for i in range(20)]
+        clock.now += 60.0  # their charges have drained on the router's clock
+        router.observe_signals(home, up=True, running=4, waiting=20, kv_usage=kv_usage)
+        decision = router.route(turn2)
+        typical = (first.work + sum(d.work for d in mine)) / 21
+        queued = {c["endpoint"]: c for c in decision.explain()["candidates"]}[home]
+        return home, decision, queued["queued_work"], typical
+
+    home, stay, queued, _ = second_turn(config, kv_usage=0.5)
+    assert stay.endpoint == home and stay.rule == RULE_AFFINITY and queued == 0
+    home, moved, queued, typical = second_turn(config, kv_usage=0.95)
+    assert moved.endpoint != home and moved.rule == RULE_LOAD_GUARD
+    assert queued == round(20 * typical)
+    home, stay, _, _ = second_turn(config, kv_usage=0.95, others_full=True)
+    assert stay.endpoint == home
+    off = config.model_copy(update={"kv_blocked_fraction": 0.0})
+    home, stay, _, _ = second_turn(off, kv_usage=0.95)
+    assert stay.endpoint == home
+
+
 def test_reported_load_from_other_routers_counts_in_the_guard():
     config = RoutingConfig(load_epsilon=0.0, load_slack=1)
     router = Router(config, ENDPOINTS)
