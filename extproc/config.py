@@ -248,7 +248,8 @@ class RoutingConfig(_Strict):
         ge=0,
         le=1,
         description="reported KV usage at which an endpoint's waiting requests wait for memory: "
-        "all of them count as queued work, this router's own too (0 = off)",
+        "all of them count as queued work, this router's own too, while another endpoint "
+        "has room (0 = off)",
     )
     kv_saturated_fraction: float = Field(
         default=0.98,

@@ -68,9 +68,9 @@ _READ = frozenset((*_GAUGES, *_COUNTERS, _CONFIG_INFO))
 
 def _samples_read(text: str) -> str:
     """Only the sample lines parse_metrics reads. A vLLM page is ~600 lines (50 KB, mostly
-    histogram buckets), and parsing all of it took ~8-20 ms per scrape on the router's
-    event loop, a stall every decision waiting behind it shared; the dozen lines it reads
-    parse in well under a millisecond (docs/benchmarks.md, item 15)."""
+    histogram buckets), and parsing all of it took 12-19 ms per scrape on the router's
+    event loop, a stall every decision waiting behind it shared; filtering it and parsing
+    the nine lines it reads takes about 1 ms (docs/benchmarks.md, item 15)."""
     return "\n".join(
         line for line in text.splitlines() if line.partition("{")[0].partition(" ")[0] in _READ
     )
