@@ -402,8 +402,9 @@ class Router:
         servers with 160-block caches, item 15)."""
         rate = self.cost.drain_per_second
         left = self._unseen_work.left(positions, now, rate)
-        if not self._kv_full[positions].all():
-            left = left + self._blocked_work.left(positions, now, rate)
+        blocked = self._blocked_work.left(positions, now, rate)  # 0.0 while none is left
+        if isinstance(blocked, np.ndarray) and not self._kv_full[positions].all():
+            left = left + blocked
         if isinstance(left, np.ndarray) and left.any():
             # Only the excess over the endpoints' median: a queue every endpoint has does not
             # say where to send, and in an overloaded pool counting it in full had each router
