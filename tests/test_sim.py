@@ -351,3 +351,51 @@ def test_a_router_alone_copies_a_hot_document_into_free_room_to_cut_the_tail() -
     shared, shared_full = run(4, 1.0), run(4, 0.0)
     assert shared["ttft_p99_ms"] == pytest.approx(shared_full["ttft_p99_ms"], rel=0.02)
     assert shared["hit_ratio"] == pytest.approx(shared_full["hit_ratio"], abs=0.005)
+
+
+def test_session_rounds_extend_each_session_round_after_round() -> None:
+    """inference-perf's multi-turn shared prefix: request i continues session i mod S with
+    its whole earlier context (system prompt, questions, answers) as the prompt's prefix,
+    sent as a completion; sessions of a group share its system prompt and nothing more."""
+    from extproc.sim.workloads import session_rounds
+
+    workload = session_rounds(
+        groups=2,
+        sessions=5,
+        system_tokens=160,
+        question_tokens=64,
+        output_tokens=32,
+        rate=10.0,
+        requests=30,
+        question_std=16.0,
+        output_std=8.0,
+        seed=1,
+    )
+    requests = workload.requests
+    assert len(requests) == 30 and all(r.first_turn_tokens == 0 for r in requests)
+    order = [r.session for r in requests[:10]]
+    assert sorted(order) == list(range(10))
+    for r in requests[10:]:
+        assert r.session == order[r.rid % 10]
+        earlier = requests[r.rid - 10]
+        # The previous request's prompt, then its answer, then a new question.
+        assert r.ids[: len(earlier.ids)] == earlier.ids
+        assert len(r.ids) > len(earlier.ids) + -(-earlier.output_tokens // 16)
+    sys_chunks = 160 // 16
+    for a in requests[:10]:
+        for b in requests[:10]:
+            same_group = a.session // 5 == b.session // 5
+            assert (a.ids[:sys_chunks] == b.ids[:sys_chunks]) == same_group
+            if a.session != b.session:
+                assert a.ids[sys_chunks] != b.ids[sys_chunks]
+    assert len({r.output_tokens for r in requests}) > 1  # drawn, not fixed
+
+
+def test_cli_refuses_a_workload_parameter_its_generator_does_not_take(capsys) -> None:
+    args = ["bench", "simulate", "--workload", "gaie-multi-chat", "--turns", "3"]
+    with pytest.raises(SystemExit, match="does not take turns"):
+        main(args + ["--no-progress"])
+    assert PRESETS["gaie-multi-chat"].takes >= {"groups", "sessions", "rate", "requests"}
+    assert "turns" in PRESETS["multi-turn-chat"].takes
+    assert "sessions" not in PRESETS["gaie-high-cache"].takes
+

@@ -8,6 +8,7 @@ lengths up to whole chunks; the Mooncake trace brings its own 512-token ids.
 
 from __future__ import annotations
 
+import inspect
 import itertools
 import json
 import random
@@ -199,20 +200,96 @@ def multi_turn(
     return Workload(name, out, params)
 
 
-def _preset_shared(**fixed: Any) -> Callable[..., Workload]:
-    def build(**overrides: Any) -> Workload:
-        kwargs = {**fixed, **{k: v for k, v in overrides.items() if v is not None}}
-        return shared_prefix(**kwargs)
+def session_rounds(
+    groups: int,
+    sessions: int,
+    system_tokens: int,
+    question_tokens: int,
+    output_tokens: int,
+    rate: float,
+    requests: int,
+    question_std: float = 0.0,
+    output_std: float = 0.0,
+    seed: int = 0,
+    name: str = "session-rounds",
+) -> Workload:
+    """inference-perf ``shared_prefix`` with ``enable_multi_turn_chat`` (the GAIE multi-chat
+    benchmarks): ``groups`` × ``sessions`` user sessions, each starting from its group's
+    system prompt, taken in a shuffled order, one request each, round after round: request i
+    continues session i mod (groups × sessions) with every earlier question and answer plus a
+    new question. Sent as completions (the context is one string), so the router sees no
+    turns. Lengths are normal(mean, std) clipped to 1..10,000 tokens, as inference-perf
+    draws them; Poisson arrivals at ``rate`` req/s."""
+    rng = random.Random(seed)
+    counter = itertools.count()
+    sys_chunks = _chunks(system_tokens)
+    systems = [tuple(next(counter) for _ in range(sys_chunks)) for _ in range(groups)]
+    order = list(range(groups * sessions))
+    rng.shuffle(order)
+    context = {s: systems[s // sessions] for s in order}
 
-    return build
+    def draw(mean: float, std: float) -> int:
+        return int(min(10_000, max(1, round(rng.gauss(mean, std) if std else mean))))
+
+    out, now = [], 0.0
+    for rid in range(requests):
+        now += rng.expovariate(rate)
+        session = order[rid % len(order)]
+        ids = context[session] + tuple(
+            next(counter) for _ in range(_chunks(draw(question_tokens, question_std)))
+        )
+        output = draw(output_tokens, output_std)
+        out.append(
+            SimRequest(
+                rid=rid,
+                arrival_s=now,
+                input_tokens=len(ids) * GEN_CHUNK_TOKENS,
+                output_tokens=output,
+                ids=ids,
+                chunk_tokens=GEN_CHUNK_TOKENS,
+                last_tokens=GEN_CHUNK_TOKENS,
+                session=session,
+            )
+        )
+        context[session] = ids + tuple(next(counter) for _ in range(_chunks(output)))
+    params = {
+        "kind": "session_rounds",
+        "groups": groups,
+        "sessions": sessions,
+        "system_tokens": sys_chunks * GEN_CHUNK_TOKENS,
+        "question_tokens": question_tokens,
+        "question_std": question_std,
+        "output_tokens": output_tokens,
+        "output_std": output_std,
+        "rate": rate,
+        "requests": requests,
+    }
+    return Workload(name, out, params)
 
 
-def _preset_chat(**fixed: Any) -> Callable[..., Workload]:
-    def build(**overrides: Any) -> Workload:
-        kwargs = {**fixed, **{k: v for k, v in overrides.items() if v is not None}}
-        return multi_turn(**kwargs)
+@dataclass(frozen=True)
+class Preset:
+    """A generator with some of its parameters fixed; the CLI may override those it takes."""
 
-    return build
+    generator: Callable[..., Workload]
+    fixed: dict[str, Any]
+
+    @property
+    def takes(self) -> frozenset[str]:
+        return frozenset(inspect.signature(self.generator).parameters) - {"seed", "name"}
+
+    def __call__(self, **overrides: Any) -> Workload:
+        return self.generator(
+            **{**self.fixed, **{k: v for k, v in overrides.items() if v is not None}}
+        )
+
+
+def _preset_shared(**fixed: Any) -> Preset:
+    return Preset(shared_prefix, fixed)
+
+
+def _preset_chat(**fixed: Any) -> Preset:
+    return Preset(multi_turn, fixed)
 
 
 # GAIE high-cache (2025-11): 256 groups x 16 prompts, system 2,048, question 256, out 256.
@@ -228,7 +305,7 @@ _GAIE_HIGH_CACHE: dict[str, Any] = dict(
 
 # Shapes from /work/shared/workloads/README.md (the peers' published benchmark configs);
 # rates are ours, chosen to load 8 simulated H200 replicas without saturating them.
-PRESETS: dict[str, Callable[..., Workload]] = {
+PRESETS: dict[str, Preset] = {
     "gaie-high-cache": _preset_shared(name="gaie-high-cache", **_GAIE_HIGH_CACHE),
     # The same sent as chat requests (the document a system message, the question a user
     # message), as a chat client or inference-perf's chat API sends it.
@@ -288,5 +365,58 @@ PRESETS: dict[str, Callable[..., Workload]] = {
         output_tokens=32,
         think_s=2.0,
         rate=4.0,
+    ),
+    # Held out: published shapes the scheduler was not tuned on (docs/benchmarks.md,
+    # "Held-out workloads"). The llm-d precise prefix-cache guide (the GAIE 2026-06 short
+    # questions, many system prompts): 150 x 5, system 6,000, question 1,200, out 1,000.
+    "llmd-precise-prefix": _preset_shared(
+        name="llmd-precise-prefix",
+        groups=150,
+        prompts=5,
+        system_tokens=6000,
+        question_tokens=1200,
+        output_tokens=1000,
+        rate=20.0,
+        requests=4096,
+    ),
+    # The llm-d tiered prefix-cache guide: 250 x 5, system 16,000, question 256, out 256.
+    "llmd-tiered-prefix": _preset_shared(
+        name="llmd-tiered-prefix",
+        groups=250,
+        prompts=5,
+        system_tokens=16000,
+        question_tokens=256,
+        output_tokens=256,
+        rate=10.0,
+        requests=4096,
+    ),
+    # GAIE 2026-06 long questions, many system prompts: 150 x 5, system 1,000, question
+    # 6,200, out 1,000 (little to share).
+    "gaie-long-questions": _preset_shared(
+        name="gaie-long-questions",
+        groups=150,
+        prompts=5,
+        system_tokens=1000,
+        question_tokens=6200,
+        output_tokens=1000,
+        rate=20.0,
+        requests=4096,
+    ),
+    # GAIE 2026-06 multi-chat, long questions: 6 system prompts x 1,000 sessions, question
+    # 3,000 +- 900, out 1,000 +- 300; two rounds of every session.
+    "gaie-multi-chat": Preset(
+        session_rounds,
+        dict(
+            name="gaie-multi-chat",
+            groups=6,
+            sessions=1000,
+            system_tokens=1000,
+            question_tokens=3000,
+            question_std=900.0,
+            output_tokens=1000,
+            output_std=300.0,
+            rate=10.0,
+            requests=12000,
+        ),
     ),
 }
