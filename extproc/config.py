@@ -220,6 +220,11 @@ class RoutingConfig(_Strict):
         description="a shared prefix drawing over 1/endpoints of the new sessions (one system "
         "prompt for all) places them as cold starts instead of on its holders",
     )
+    spread_popular_completions: bool = Field(
+        default=True,
+        description="a completion whose held prefix is under shared_prefix_fraction of it "
+        "and popular is placed as a new session by its own first blocks after that prefix",
+    )
     popularity_window: int = Field(
         default=256, ge=1, description="new sessions over which that share is measured"
     )
@@ -250,6 +255,11 @@ class RoutingConfig(_Strict):
         description="reported KV usage at which an endpoint's waiting requests wait for memory: "
         "all of them count as queued work, this router's own too, while another endpoint "
         "has room (0 = off)",
+    )
+    kv_wait_from_admissions: bool = Field(
+        default=True,
+        description="price the wait at an endpoint waiting for KV memory by its admission "
+        "rate (requests it finishes per second), not by the prefills of its waiting requests",
     )
     kv_saturated_fraction: float = Field(
         default=0.98,

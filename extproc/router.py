@@ -47,6 +47,9 @@ PEER_FORGET_SECONDS = 30.0
 # The mean of this router's last this-many prefill charges (a plain mean until then):
 # Router._unseen prices another router's waiting request at it.
 TYPICAL_WORK_REQUESTS = 50
+# An endpoint's admission rate (Router._learn_admissions): decaying sums over about this many
+# of its scrape windows.
+ADMISSION_WINDOWS = 8
 
 
 class _DrainingWork:
@@ -120,6 +123,11 @@ class Router:
         # endpoints report a (nearly) full cache.
         self._blocked_work = _DrainingWork()
         self._kv_full = np.zeros(0, dtype=bool)
+        # Requests each endpoint finished and the time it took, decaying sums over its last
+        # ADMISSION_WINDOWS scrapes, and the clock time of its last scrape (NaN: none yet).
+        self._admitted = np.zeros(0)
+        self._admitted_seconds = np.zeros(0)
+        self._scraped_at = np.zeros(0)
         self._detached = _DrainingWork()
         # Other router replicas' own queued work, as they last reported it (observe_peer_work):
         # per peer (work per endpoint address, clock time), and their sum as of the last report.
@@ -175,6 +183,9 @@ class Router:
         self._reported_load = carried(self._reported_load, np.nan, np.float64)
         self._saturated = carried(self._saturated, False, bool)
         self._kv_full = carried(self._kv_full, False, bool)
+        self._admitted = carried(self._admitted, 0.0, np.float64)
+        self._admitted_seconds = carried(self._admitted_seconds, 0.0, np.float64)
+        self._scraped_at = carried(self._scraped_at, np.nan, np.float64)
         for draining in (self._unseen_work, self._blocked_work, self._detached, self._peer_work):
             draining.amount = carried(draining.amount, 0.0, np.float64)
             draining.since = carried(draining.since, 0.0, np.float64)
@@ -210,6 +221,8 @@ class Router:
         if prefill_window is not None:
             self._learn_prefill_rate(*prefill_window)
             self._learn_traffic_share(i, prefill_window[1])
+        if up:
+            self._learn_admissions(i, prefill_window[1] if prefill_window else 0.0)
         self._unseen_work.amount[i] = self._blocked_work.amount[i] = 0.0
         self._kv_full[i] = up and self._memory_bound(kv_usage)
         if not up:
@@ -223,7 +236,16 @@ class Router:
             if self.config.count_unseen_waiting:
                 self._unseen_work.set(i, unseen * self._typical_work, now, rate)
             if self._kv_full[i] and waiting > unseen:
-                self._blocked_work.set(i, (waiting - unseen) * self._typical_work, now, rate)
+                blocked = (waiting - unseen) * self._typical_work
+                admitted = self._admitted[i] / max(1e-9, self._admitted_seconds[i])
+                if self.config.kv_wait_from_admissions and admitted > 0:
+                    # Memory frees as running requests finish: a newcomer waits until the
+                    # endpoint has admitted the requests ahead of it, at its admission rate.
+                    waits = waiting / admitted * rate
+                    if self.config.count_unseen_waiting:
+                        waits -= unseen * self._typical_work
+                    blocked = max(blocked, waits)
+                self._blocked_work.set(i, blocked, now, rate)
         self._saturated[i] = kv_usage is not None and kv_usage >= self.config.kv_saturated_fraction
         if kv_capacity_tokens and not self._capacity_configured[i]:
             blocks = self.capacity_blocks(kv_capacity_tokens)
@@ -232,6 +254,17 @@ class Router:
                 self.index.set_endpoints(
                     dict(zip(self._addresses, self._capacity_blocks, strict=True))
                 )
+
+    def _learn_admissions(self, i: int, finished: float) -> None:
+        """How many requests the endpoint finishes per second, about as many as it admits
+        once its KV memory is full: what prices the wait there (``observe_signals``)."""
+        now = self.clock()
+        since, self._scraped_at[i] = self._scraped_at[i], now
+        if np.isnan(since) or now <= since:
+            return
+        keep = 1.0 - 1.0 / ADMISSION_WINDOWS
+        self._admitted[i] = keep * self._admitted[i] + finished
+        self._admitted_seconds[i] = keep * self._admitted_seconds[i] + (now - since)
 
     def _memory_bound(self, kv_usage: float | None) -> bool:
         """Requests waiting there wait for KV memory, not for the prefills ahead of them:
@@ -534,6 +567,7 @@ class Router:
                 cfg.cold_start_key,
                 cfg.shared_prefix_fraction,
             ),
+            turnless=not (cfg.cold_start_key == "first_turn" and request.first_turn_end),
         )
         decision.hashes = hashes
         if decision.endpoint is not None:

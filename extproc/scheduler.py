@@ -273,12 +273,14 @@ class Scheduler:
         block_tokens: float = 1.0,
         hashes: np.ndarray | None = None,
         group_key: int = 0,
+        turnless: bool = False,
     ) -> Decision:
         """``prompt_tokens`` defaults to ``total_blocks`` x ``block_tokens``. ``hashes`` (the
         request's block hashes) name the shared prefix a new session matches, for
         ``popularity``; without them every shared prefix counts as a group's. ``group_key``
         (hashing.group_key; 0: none) places a new session instead of ``key`` while its
-        preamble is not popular."""
+        preamble is not popular. ``turnless``: a completion, whose session the router cannot
+        tell by its turns (session_blocks is then the first cold_start_blocks)."""
         if prompt_tokens is None:
             prompt_tokens = total_blocks * block_tokens
         count = len(table)
@@ -325,11 +327,26 @@ class Scheduler:
         # sends one document's questions to the same endpoint.
         popular = False
         new_or_cold = best_eligible_match < session_blocks or best_eligible_match < needed
+        # A completion has no turns to tell its own session from a preamble it shares with
+        # others by: one whose held prefix is under shared_prefix_fraction of it is a new
+        # session of that prefix too, for the popularity measure below.
+        shared_preamble = (
+            turnless
+            and cfg.spread_popular_completions
+            and 0 < best_eligible_match < math.ceil(cfg.shared_prefix_fraction * total_blocks)
+        )
+        new_or_cold = new_or_cold or shared_preamble
         if cfg.spread_popular_prefixes and new_or_cold:
             shared = group_key or None
             if shared is None and hashes is not None and best_eligible_match:
                 shared = int(hashes[best_eligible_match - 1])
             popular = self.popularity.new_session(shared) * count > 1 + 1e-9
+            if popular and shared_preamble and hashes is not None:
+                # Placed by its own first blocks after the preamble, which its later
+                # requests (the same prompt, extended) share: the key of its first blocks
+                # lies inside the preamble and would send every such session to one endpoint.
+                after = min(total_blocks, best_eligible_match + cfg.cold_start_blocks)
+                key = int(hashes[after - 1])
         if new_or_cold and group_key and not popular:
             key = group_key
             # A question on a document holds its group once the document's first blocks are

@@ -429,6 +429,46 @@ def test_requests_waiting_for_kv_memory_count_as_work_though_this_router_sent_th
     assert stay.endpoint == home
 
 
+def test_the_wait_for_kv_memory_is_priced_by_how_fast_the_endpoint_admits_requests():
+    """An endpoint whose KV memory is full admits a waiting request only as a running one
+    finishes (long outputs: seconds each), not at the pace of their prefills. Five waiting
+    requests priced as five short prefills keep a conversation there; at the half a request
+    per second the endpoint reports finishing they are a ten-second wait, and it moves. The
+    rate comes from its counters between two scrapes; with the option off it stays."""
+    turn1 = chat("explain rendezvous hashing " * 600)
+    turn2 = chat("explain rendezvous hashing " * 600, "sure: ...", "and with weights?")
+
+    def second_turn(config: RoutingConfig, finished: float):
+        clock = Clock()
+        router = Router(config, ENDPOINTS, clock=clock)
+        first = router.route(turn1)
+        router.finish(first)
+        home = first.endpoint
+        assert home is not None
+        mine = [router.route(completion(f"own request {i}"), allowed={home}) for i in range(5)]
+        router.observe_signals(home, up=True, running=4, waiting=5, kv_usage=0.5)
+        clock.now += 2.0
+        window = (1000.0, finished, 0.1) if finished else None
+        router.observe_signals(
+            home, up=True, running=4, waiting=5, kv_usage=0.95, prefill_window=window
+        )
+        decision = router.route(turn2)
+        queued = {c["endpoint"]: c for c in decision.explain()["candidates"]}[home]
+        typical = (first.work + sum(d.work for d in mine)) / 6
+        return home, decision, queued["queued_work"], typical, router.cost.drain_per_second
+
+    config = RoutingConfig(load_slack=1000)  # no count guard: the queued work alone decides
+    home, moved, queued, _, drain = second_turn(config, finished=1.0)
+    assert moved.endpoint != home and moved.rule == RULE_LOAD_GUARD
+    assert queued == pytest.approx(5 / 0.5 * drain, rel=0.01)
+    # Priced by the prefills alone (option off, or no rate measured yet): it stays.
+    off = config.model_copy(update={"kv_wait_from_admissions": False})
+    home, stay, queued, typical, _ = second_turn(off, finished=1.0)
+    assert stay.endpoint == home and queued == round(5 * typical)
+    home, stay, queued, typical, _ = second_turn(config, finished=0.0)
+    assert stay.endpoint == home and queued == round(5 * typical)
+
+
 def test_reported_load_from_other_routers_counts_in_the_guard():
     config = RoutingConfig(load_epsilon=0.0, load_slack=1)
     router = Router(config, ENDPOINTS)
@@ -720,6 +760,46 @@ def test_a_system_prompt_every_conversation_shares_spreads_them_and_their_later_
             turns = (f"conversation {i}: " + "my own question " * 20, "an answer", "more?")
             for router_replica in (router, other):
                 later = router_replica.route(chat(*turns, system=system))
+                router_replica.finish(later)
+                assert later.endpoint == first.endpoint
+
+
+def test_completions_sharing_a_popular_preamble_spread_and_their_later_requests_follow():
+    """The GAIE multi-chat benchmarks send conversations as completions (inference-perf:
+    the context is one string), so the router sees no turns: a 1k-token system prompt that
+    every conversation starts with, then a ~1.5k-token question of its own. The held
+    prefix is under shared_prefix_fraction of the prompt and popular, so the conversations
+    spread, placed by their own first blocks after it; each one's next request (the same
+    prompt, an answer and a question longer) meets it there, at this router and at a router
+    replica that never saw it but has seen the preamble's popularity in its own traffic
+    (before that, the first sessions follow the holder). Switched off, all pile onto the
+    system prompt's holder."""
+    system = "You are a careful assistant. " * 140  # ~1k tokens
+    first_prompts = [
+        system + f"Conversation {i}: " + "my own long question " * 280 for i in range(48)
+    ]
+    for spread in (True, False):
+        config = RoutingConfig(load_slack=1000, spread_popular_completions=spread)
+        router = Router(config, ENDPOINTS)
+        firsts = []
+        for prompt in first_prompts:
+            d = router.route(completion(prompt))
+            router.finish(d)
+            firsts.append(d)
+        homes = Counter(d.endpoint for d in firsts)
+        if not spread:
+            assert len(homes) == 1
+            continue
+        assert len(homes) == len(ENDPOINTS) and max(homes.values()) <= 2 * 48 / len(ENDPOINTS)
+        assert Counter(d.rule for d in firsts[16:]) == {RULE_SPREAD: 32}
+        other = Router(config, ENDPOINTS)  # its own traffic: the same preamble, other questions
+        for i in range(32):
+            other.finish(other.route(completion(system + f"other {i}: " + "words " * 1200)))
+        for first, prompt in zip(firsts, first_prompts, strict=True):
+            longer = prompt + " An answer. " * 40 + "And a follow-up question? " * 20
+            spread_first = first.rule == RULE_SPREAD
+            for router_replica in (router, other) if spread_first else (router,):
+                later = router_replica.route(completion(longer))
                 router_replica.finish(later)
                 assert later.endpoint == first.endpoint
 
