@@ -36,6 +36,10 @@ The algorithm, top to bottom:
    Except a popular preamble: a shared prefix that draws more than one endpoint's share of
    the recent new sessions (popularity.py; one system prompt for every conversation) does
    not attract them: they go as cold starts (rule 3), rule 'shared_prefix_spread'.
+   A completion shows no turns (its session key is its first cold_start_blocks, which a
+   shared system prompt covers): one whose held prefix is under shared_prefix_fraction of it
+   is a new session of that prefix too, and when the prefix is popular it is placed by its
+   own first blocks after it, which its later requests (the prompt extended) share.
 3. Cold start: nobody eligible holds the session → rendezvous-hash the placement key over
    the eligible endpoints (highest hash wins), skipping an endpoint whose queued work
    exceeds the least-loaded one's by more than cold_margin x the request's own cold

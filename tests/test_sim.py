@@ -392,9 +392,9 @@ def test_session_rounds_extend_each_session_round_after_round() -> None:
 
 
 def test_cli_refuses_a_workload_parameter_its_generator_does_not_take(capsys) -> None:
-    args = ["bench", "simulate", "--workload", "gaie-multi-chat", "--turns", "3"]
+    args = ["bench", "simulate", "--workload", "gaie-multi-chat", "--turns", "3", "--no-progress"]
     with pytest.raises(SystemExit, match="does not take turns"):
-        main(args + ["--no-progress"])
+        main(args)
     assert PRESETS["gaie-multi-chat"].takes >= {"groups", "sessions", "rate", "requests"}
     assert "turns" in PRESETS["multi-turn-chat"].takes
     assert "sessions" not in PRESETS["gaie-high-cache"].takes
