@@ -222,12 +222,11 @@ def grid_command(args: argparse.Namespace) -> int:
     started = time.perf_counter()
     if args.json_out and not Path(args.json_out).parent.is_dir():
         raise SystemExit(f"--json {args.json_out}: no such directory")
-    groups = {"held-out": sim_grid.HELD_OUT_WORKLOADS, "tuned": sim_grid.DEFAULT_WORKLOADS}
     workloads = [
         name
         for w in args.workloads.split(",")
         if w.strip()
-        for name in groups.get(w.strip(), (w.strip(),))
+        for name in sim_grid.WORKLOAD_GROUPS.get(w.strip(), (w.strip(),))
     ]
     unknown = [w for w in workloads if w not in CAPACITIES]
     if unknown:

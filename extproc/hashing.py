@@ -56,6 +56,12 @@ def block_hashes(prompt: bytes, root: int, block_size: int, max_blocks: int) -> 
     return hashes
 
 
+def keyed_by_turns(request: LLMRequest, mode: str) -> bool:
+    """Whether the session key follows the request's turns (a chat body in 'first_turn'
+    mode); otherwise it is the first cold_start_blocks blocks (a completion has no turns)."""
+    return mode == "first_turn" and bool(request.first_turn_end)
+
+
 def session_blocks(
     request: LLMRequest, hashes: np.ndarray, block_size: int, mode: str, cold_start_blocks: int
 ) -> int:
@@ -64,7 +70,7 @@ def session_blocks(
     An endpoint holding fewer than this many blocks shares only a common preamble (say, a
     system prompt used by every conversation) with the request, not the session itself.
     """
-    if mode == "first_turn" and request.first_turn_end:
+    if keyed_by_turns(request, mode):
         return min(max(1, request.first_turn_end // block_size), len(hashes))
     return min(cold_start_blocks, len(hashes))
 
@@ -84,7 +90,7 @@ def placement_key(
     'first_turn' keys on the prompt up to the end of the first user turn, 'blocks' on the
     first ``cold_start_blocks`` blocks (and first_turn falls back to that without turns).
     """
-    if mode == "first_turn" and request.first_turn_end:
+    if keyed_by_turns(request, mode):
         full_blocks = request.first_turn_end // block_size
         if full_blocks == 0:
             return xxh3_64_intdigest(request.prompt[: request.first_turn_end], root)
@@ -105,7 +111,7 @@ def group_key(
     question sends each to a different endpoint and copies the document to all of them.
     (Scheduler.pick places by the session key instead once the preamble draws more than
     one endpoint's share of the new sessions.)"""
-    if mode != "first_turn" or not request.preamble_end or not request.first_turn_end:
+    if not keyed_by_turns(request, mode) or not request.preamble_end:
         return 0
     blocks = min(request.preamble_end // block_size, len(hashes))
     if not blocks or request.preamble_end < fraction * request.first_turn_end:

@@ -19,7 +19,14 @@ from collections.abc import Callable, Mapping, Sequence
 import numpy as np
 
 from .config import EndpointConfig, RoutingConfig
-from .hashing import block_hashes, group_key, placement_key, root_hash, session_blocks
+from .hashing import (
+    block_hashes,
+    group_key,
+    keyed_by_turns,
+    placement_key,
+    root_hash,
+    session_blocks,
+)
 from .index import IndexStats, PrefixIndex
 from .placements import Placement, PlacementLog
 from .prompt import LLMRequest
@@ -567,7 +574,7 @@ class Router:
                 cfg.cold_start_key,
                 cfg.shared_prefix_fraction,
             ),
-            turnless=not (cfg.cold_start_key == "first_turn" and request.first_turn_end),
+            turnless=not keyed_by_turns(request, cfg.cold_start_key),
         )
         decision.hashes = hashes
         if decision.endpoint is not None:

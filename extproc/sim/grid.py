@@ -59,6 +59,8 @@ HELD_OUT_WORKLOADS = (
     "gaie-long-questions",
     "gaie-multi-chat",
 )
+# Names `--workloads` takes for a whole set.
+WORKLOAD_GROUPS = {"tuned": DEFAULT_WORKLOADS, "held-out": HELD_OUT_WORKLOADS}
 OURS = "ours"
 
 

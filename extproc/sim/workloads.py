@@ -77,6 +77,22 @@ def _chunks(tokens: int) -> int:
     return max(1, -(-tokens // GEN_CHUNK_TOKENS))
 
 
+def _generated(
+    rid: int, arrival_s: float, ids: tuple[int, ...], output_tokens: int, **fields: Any
+) -> SimRequest:
+    """A generated request: whole GEN_CHUNK_TOKENS chunks, the last one too."""
+    return SimRequest(
+        rid=rid,
+        arrival_s=arrival_s,
+        input_tokens=len(ids) * GEN_CHUNK_TOKENS,
+        output_tokens=output_tokens,
+        ids=ids,
+        chunk_tokens=GEN_CHUNK_TOKENS,
+        last_tokens=GEN_CHUNK_TOKENS,
+        **fields,
+    )
+
+
 def shared_prefix(
     groups: int,
     prompts: int,
@@ -108,14 +124,11 @@ def shared_prefix(
         g, p = rng.randrange(groups), rng.randrange(prompts)
         ids = systems[g] + questions[g][p]
         out.append(
-            SimRequest(
-                rid=rid,
-                arrival_s=now,
-                input_tokens=len(ids) * GEN_CHUNK_TOKENS,
-                output_tokens=output_tokens,
-                ids=ids,
-                chunk_tokens=GEN_CHUNK_TOKENS,
-                last_tokens=GEN_CHUNK_TOKENS,
+            _generated(
+                rid,
+                now,
+                ids,
+                output_tokens,
                 session=g * prompts + p,
                 first_turn_tokens=len(ids) * GEN_CHUNK_TOKENS if chat else 0,
                 preamble_tokens=sys_chunks * GEN_CHUNK_TOKENS if chat else 0,
@@ -172,14 +185,11 @@ def multi_turn(
             at += rng.expovariate(1.0 / think_s) + output_tokens * 0.010
     pending.sort()
     out = [
-        SimRequest(
-            rid=rid,
-            arrival_s=at,
-            input_tokens=len(ids) * GEN_CHUNK_TOKENS,
-            output_tokens=output_tokens,
-            ids=ids,
-            chunk_tokens=GEN_CHUNK_TOKENS,
-            last_tokens=GEN_CHUNK_TOKENS,
+        _generated(
+            rid,
+            at,
+            ids,
+            output_tokens,
             first_turn_tokens=first_turn,
             session=s,
             preamble_tokens=sys_chunks * GEN_CHUNK_TOKENS,
@@ -239,18 +249,7 @@ def session_rounds(
             next(counter) for _ in range(_chunks(draw(question_tokens, question_std)))
         )
         output = draw(output_tokens, output_std)
-        out.append(
-            SimRequest(
-                rid=rid,
-                arrival_s=now,
-                input_tokens=len(ids) * GEN_CHUNK_TOKENS,
-                output_tokens=output,
-                ids=ids,
-                chunk_tokens=GEN_CHUNK_TOKENS,
-                last_tokens=GEN_CHUNK_TOKENS,
-                session=session,
-            )
-        )
+        out.append(_generated(rid, now, ids, output, session=session))
         context[session] = ids + tuple(next(counter) for _ in range(_chunks(output)))
     params = {
         "kind": "session_rounds",
