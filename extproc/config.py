@@ -228,6 +228,19 @@ class RoutingConfig(_Strict):
     popularity_window: int = Field(
         default=256, ge=1, description="new sessions over which that share is measured"
     )
+    balance_cold_starts: bool = Field(
+        default=True,
+        description="a router that sends at least balance_min_share of what the endpoints "
+        "serve places cold starts on endpoints whose recent cold starts (prefill work) are "
+        "at most the mean, and sends a placement key back where it placed it",
+    )
+    balance_min_share: float = Field(
+        default=0.9,
+        ge=0,
+        le=1,
+        description="least measured traffic share at which balance_cold_starts applies "
+        "(router replicas without peers must agree on rendezvous picks instead)",
+    )
     cold_start_key: Literal["first_turn", "blocks"] = Field(
         default="first_turn",
         description="session key: prompt up to the first user turn, or the first blocks",

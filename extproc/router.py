@@ -57,6 +57,9 @@ TYPICAL_WORK_REQUESTS = 50
 # An endpoint's admission rate (Router._learn_admissions): decaying sums over about this many
 # of its scrape windows.
 ADMISSION_WINDOWS = 8
+# Cold starts balance the prefill work placed on each endpoint over about this many of the
+# latest cold starts (Scheduler._balance).
+BALANCE_COLD_STARTS = 512
 
 
 class _DrainingWork:
@@ -155,6 +158,9 @@ class Router:
         self._sent = np.zeros(0, dtype=np.int64)
         self._share_sent = self._share_finished = 0.0
         self._traffic_share = 1.0
+        self._share_measured = False
+        # Prefill work of the cold starts this router placed on each endpoint, decaying.
+        self._placed = np.zeros(0)
         self._alone_cold_margin = self.cost.cold_margin
         self.set_endpoints(endpoints)
 
@@ -186,6 +192,7 @@ class Router:
         self._sent = carried(self._sent, 0, np.int64)
         self._healthy = carried(self._healthy, True, bool)
         self._work = carried(self._work, 0.0, np.float64)
+        self._placed = carried(self._placed, 0.0, np.float64)
         self._work_at = carried(self._work_at, 0.0, np.float64)
         self._reported_load = carried(self._reported_load, np.nan, np.float64)
         self._saturated = carried(self._saturated, False, bool)
@@ -333,6 +340,7 @@ class Router:
             return
         # Requests in flight make what was sent lead what finished: at most 1.
         self._traffic_share = min(1.0, self._share_sent / self._share_finished)
+        self._share_measured = True
         shared = min(1.0, 2.0 * (1.0 - self._traffic_share))
         alone = self._alone_cold_margin
         margin = alone + (self.config.shared_cold_margin - alone) * shared
@@ -555,6 +563,7 @@ class Router:
             address_hash=self._address_hash[positions],
             saturated=self._saturated[positions],
             fill=self.index.fill_positions(positions) if self.cost.stickiness_fill else None,
+            placed=self._placed[positions] if self._balancing() else None,
         )
         session = session_blocks(
             request, hashes, cfg.block_size_bytes, cfg.cold_start_key, cfg.cold_start_blocks
@@ -583,7 +592,21 @@ class Router:
             self._log_placement(decision.endpoint, hashes)
             self._charge(chosen, decision, now)
             self._sent[chosen] += 1
+            if decision.cold_start and cfg.balance_cold_starts:
+                self._placed *= 1.0 - 1.0 / BALANCE_COLD_STARTS
+                self._placed[chosen] += decision.work
         return decision
+
+    def _balancing(self) -> bool:
+        """Cold starts balance placed work only for a router known to place (nearly) all
+        the traffic: router replicas without shared placements must make the same rendezvous
+        pick for a conversation's turns to meet, and the balance, which depends on what each
+        of them placed, would part them (simulated K=4 grid, docs/benchmarks.md)."""
+        return (
+            self.config.balance_cold_starts
+            and self._share_measured
+            and self._traffic_share >= self.config.balance_min_share
+        )
 
     def finish(self, decision: Decision, prefill_over: bool = True) -> None:
         """The request is no longer in flight. ``prefill_over=False``: it ended for the

@@ -16,6 +16,9 @@ from extproc.scheduler import (
     RULE_LOAD_GUARD,
     RULE_NO_ENDPOINT,
     RULE_SPREAD,
+    EndpointTable,
+    Scheduler,
+    address_hash,
 )
 
 ENDPOINTS = [EndpointConfig(address=f"10.0.0.{i}:8000") for i in range(1, 5)]
@@ -677,7 +680,8 @@ def test_with_a_minor_share_a_cold_start_stays_on_the_pick_other_routers_make():
     first = chat("a short question", system="A brief system prompt. " * 20)
 
     def loaded(finished_per_sent: float) -> tuple[Router, str]:
-        router = Router(RoutingConfig(), ENDPOINTS)
+        # Without the balance of a router alone, which would move it off the pick as well.
+        router = Router(RoutingConfig(balance_cold_starts=False), ENDPOINTS)
         for i in range(24):
             router.finish(router.route(chat(f"warm-up {i} " * 30)))
         _report_finished(router, finished_per_sent)
@@ -862,3 +866,64 @@ def test_a_question_follows_its_partly_held_document_to_the_holder():
     decision = router.route(chat(question.format(2), system=document))
     assert decision.endpoint == holder
     assert 4 <= decision.matched_blocks < decision.total_blocks / 2
+
+
+EIGHT = [EndpointConfig(address=f"10.0.1.{i}:8000") for i in range(1, 9)]
+
+
+def _conversations_placed(router: Router, count: int, name: str) -> Counter:
+    """Route (and finish, so that no queued work steers them) ``count`` new conversations."""
+    placed: Counter = Counter()
+    for i in range(count):
+        decision = router.route(chat(f"{name} conversation {i} " * 40, system="Be brief."))
+        assert decision.cold_start and decision.rule == RULE_COLD_START
+        placed[decision.endpoint] += 1
+        router.finish(decision)
+    return placed
+
+
+def test_a_router_alone_balances_its_cold_starts_and_replicas_keep_the_rendezvous_pick():
+    """Few groups over many endpoints: the rendezvous order alone places them unevenly; a router
+    that measures all the traffic evens out the prefill work it places. One that measures a
+    quarter (router replicas without peers) keeps each pick where the others make it."""
+
+    def placed(finished_per_sent: float, router: Router | None = None, **routing) -> Counter:
+        """Where 24 conversations (before the share is measured) and 32 more went."""
+        router = router or Router(RoutingConfig(**routing), EIGHT)
+        first = _conversations_placed(router, 24, "first")
+        _report_finished(router, finished_per_sent)
+        return first + _conversations_placed(router, 32, "later")
+
+    balanced, rendezvous = placed(1.0), placed(1.0, balance_cold_starts=False)
+    assert max(balanced.values()) <= 8 and min(balanced.values()) >= 6, balanced  # 7 is even
+    assert max(rendezvous.values()) >= 10, rendezvous
+    assert placed(4.0) == rendezvous
+
+
+def test_a_balanced_cold_start_sends_a_key_back_to_where_it_placed_it():
+    """A key cold-started again (its prefix evicted) returns to its endpoint, even when that one
+    has had the most placements since: the balance alone would look elsewhere."""
+    addresses = [e.address for e in EIGHT]
+
+    def table(placed: list[float]):
+        return EndpointTable(
+            addresses=addresses,
+            load=np.zeros(8),
+            work=np.zeros(8),
+            matched=np.zeros(8, dtype=np.int64),
+            address_hash=np.array([address_hash(a) for a in addresses], dtype=np.uint64),
+            placed=np.array(placed),
+        )
+
+    scheduler = Scheduler(RoutingConfig())
+    even = [1000.0] * 8
+    first = scheduler.pick(table(even), 8, key=42)
+    home = addresses.index(first.endpoint)
+    crowded = even.copy()
+    crowded[home] = 9000.0
+    assert scheduler.pick(table(crowded), 8, key=42).endpoint == first.endpoint
+    assert scheduler.pick(table(crowded), 8, key=43).endpoint != first.endpoint
+    assert first.cold_start and "placed_work" in first.explain()["candidates"][0]
+    forgetful = Scheduler(RoutingConfig(balance_cold_starts=False))
+    forgetful.pick(table(even), 8, key=42)
+    assert forgetful.pick(table(crowded), 8, key=42).endpoint != first.endpoint
