@@ -887,9 +887,9 @@ def test_a_router_alone_balances_its_cold_starts_and_replicas_keep_the_rendezvou
     that measures all the traffic evens out the prefill work it places. One that measures a
     quarter (router replicas without peers) keeps each pick where the others make it."""
 
-    def placed(finished_per_sent: float, router: Router | None = None, **routing) -> Counter:
+    def placed(finished_per_sent: float, **routing) -> Counter:
         """Where 24 conversations (before the share is measured) and 32 more went."""
-        router = router or Router(RoutingConfig(**routing), EIGHT)
+        router = Router(RoutingConfig(**routing), EIGHT)
         first = _conversations_placed(router, 24, "first")
         _report_finished(router, finished_per_sent)
         return first + _conversations_placed(router, 32, "later")
@@ -924,6 +924,8 @@ def test_a_balanced_cold_start_sends_a_key_back_to_where_it_placed_it():
     assert scheduler.pick(table(crowded), 8, key=42).endpoint == first.endpoint
     assert scheduler.pick(table(crowded), 8, key=43).endpoint != first.endpoint
     assert first.cold_start and "placed_work" in first.explain()["candidates"][0]
+    # Balanced (the table carries placed work) but without the key memory, which the option
+    # switches off with the balance: the crowded endpoint loses the key.
     forgetful = Scheduler(RoutingConfig(balance_cold_starts=False))
     forgetful.pick(table(even), 8, key=42)
     assert forgetful.pick(table(crowded), 8, key=42).endpoint != first.endpoint
