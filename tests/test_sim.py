@@ -25,6 +25,19 @@ from extproc.sim.report import summarize
 from extproc.sim.workloads import PRESETS, SimRequest, Workload, load_mooncake
 
 
+def _ours(
+    workload: Workload, replicas: int, capacity_tokens: int, router_replicas: int = 1, **routing
+) -> dict:
+    """Ours' summary on ``workload`` with ``routing`` settings over the defaults."""
+    params = SimParams(
+        replicas=replicas,
+        capacity_tokens=capacity_tokens,
+        router_replicas=router_replicas,
+        routing=RoutingConfig(**routing),
+    )
+    return summarize(simulate(workload, "ours", params), 1.0)
+
+
 def _request(rid: int, ids: tuple[int, ...], last: int = 16, arrival: float = 0.0) -> SimRequest:
     return SimRequest(rid, arrival, 16 * (len(ids) - 1) + last, 4, ids, 16, last)
 
@@ -309,15 +322,7 @@ def test_documents_sent_as_chat_keep_their_hit_ratio_with_router_replicas() -> N
     )
     assert all(r.first_turn_tokens == r.input_tokens for r in workload.requests)
     assert all(r.preamble_tokens == 1024 for r in workload.requests)
-    hit = {
-        k: summarize(
-            simulate(
-                workload, "ours", SimParams(replicas=8, capacity_tokens=40_000, router_replicas=k)
-            ),
-            1.0,
-        )["hit_ratio"]
-        for k in (1, 4)
-    }
+    hit = {k: _ours(workload, 8, 40_000, router_replicas=k)["hit_ratio"] for k in (1, 4)}
     assert hit[1] > 0.75 and hit[4] > hit[1] - 0.03, hit
 
 
@@ -341,9 +346,7 @@ def test_a_router_alone_copies_a_hot_document_into_free_room_to_cut_the_tail() -
 
     def run(k: int, fill: float) -> dict:
         # The balance of cold starts shortens both tails: off, to isolate the premium.
-        routing = RoutingConfig(stickiness_fill=fill, balance_cold_starts=False)
-        params = SimParams(replicas=16, capacity_tokens=400_000, router_replicas=k, routing=routing)
-        return summarize(simulate(workload, "ours", params), 1.0)
+        return _ours(workload, 16, 400_000, k, stickiness_fill=fill, balance_cold_starts=False)
 
     scaled, full = run(1, 1.0), run(1, 0.0)
     assert scaled["ttft_p99_ms"] < 0.9 * full["ttft_p99_ms"], (scaled, full)
@@ -419,12 +422,7 @@ def test_completions_sharing_a_popular_preamble_spread_over_the_replicas() -> No
         requests=480,
     )
 
-    def run(spread: bool) -> dict:
-        routing = RoutingConfig(spread_popular_completions=spread)
-        params = SimParams(replicas=8, capacity_tokens=400_000, routing=routing)
-        return summarize(simulate(workload, "ours", params), 1.0)
-
-    on, off = run(True), run(False)
+    on, off = (_ours(workload, 8, 400_000, spread_popular_completions=s) for s in (True, False))
     assert on["load_max_over_mean"] < 1.3 < off["load_max_over_mean"], (on, off)
     assert on["hit_ratio"] >= off["hit_ratio"] - 0.005, (on, off)
 
@@ -446,12 +444,7 @@ def test_a_router_alone_balances_few_groups_over_the_replicas() -> None:
         requests=384,
     )
 
-    def run(balance: bool) -> dict:
-        routing = RoutingConfig(balance_cold_starts=balance)
-        params = SimParams(replicas=8, capacity_tokens=400_000, routing=routing)
-        return summarize(simulate(workload, "ours", params), 1.0)
-
-    on, off = run(True), run(False)
+    on, off = (_ours(workload, 8, 400_000, balance_cold_starts=b) for b in (True, False))
     assert on["load_max_over_mean"] < 1.25 < off["load_max_over_mean"], (on, off)
     assert on["hit_ratio"] >= off["hit_ratio"] - 0.005, (on, off)
     assert on["ttft_p99_ms"] < off["ttft_p99_ms"], (on, off)
