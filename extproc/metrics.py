@@ -9,7 +9,9 @@ cardinality is bounded by the endpoint set.
 
 from __future__ import annotations
 
+import glob
 import os
+from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 from prometheus_client import (
@@ -21,6 +23,7 @@ from prometheus_client import (
     Histogram,
     generate_latest,
 )
+from prometheus_client.metrics_core import Metric
 
 if TYPE_CHECKING:
     from .router import Router
@@ -220,12 +223,41 @@ class RouterMetrics:
             self.kv_usage.labels(address).set(signals.kv_usage)
 
 
+# A worker's value file starts with 8 bytes: the used length and padding.
+_VALUE_FILE_HEADER = 8
+
+
+def _written(path: str) -> bool:
+    """Whether a worker's value file has its header yet.
+
+    A worker creates a file and only then sizes it. prometheus_client's collector fails
+    on a file read in between, and that failed the whole /metrics page with a 500 while a
+    worker started. Such a file holds no values yet, so it is left out.
+    """
+    try:
+        return os.path.getsize(path) >= _VALUE_FILE_HEADER
+    except OSError:
+        return False
+
+
+class _WorkerFilesCollector:
+    """prometheus_client's multiprocess collector, reading only the files already written."""
+
+    def __init__(self, path: str) -> None:
+        self._path = path
+
+    def collect(self) -> Iterable[Metric]:
+        from prometheus_client.multiprocess import MultiProcessCollector
+
+        files = [f for f in glob.glob(os.path.join(self._path, "*.db")) if _written(f)]
+        return MultiProcessCollector.merge(files, accumulate=True)
+
+
 def exposition() -> tuple[bytes, str]:
     """The text to serve on /metrics: this process, or every worker's in multiprocess mode."""
-    if os.environ.get(MULTIPROC_ENV):
-        from prometheus_client import multiprocess
-
+    path = os.environ.get(MULTIPROC_ENV)
+    if path:
         registry = CollectorRegistry()
-        multiprocess.MultiProcessCollector(registry)
+        registry.register(_WorkerFilesCollector(path))
         return generate_latest(registry), CONTENT_TYPE_LATEST
     return generate_latest(REGISTRY), CONTENT_TYPE_LATEST
