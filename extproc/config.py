@@ -269,6 +269,14 @@ class RoutingConfig(_Strict):
         "all of them count as queued work, this router's own too, while another endpoint "
         "has room (0 = off)",
     )
+    slot_blocked_fraction: float = Field(
+        default=0.95,
+        ge=0,
+        le=1,
+        description="running requests, as a share of the most the endpoint was seen running "
+        "(its batch slots, vLLM's max_num_seqs), at which its waiting requests wait for a "
+        "slot and count like those waiting for memory (0 = off)",
+    )
     kv_wait_from_admissions: bool = Field(
         default=True,
         description="price the wait at an endpoint waiting for KV memory by its admission "

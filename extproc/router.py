@@ -57,6 +57,8 @@ TYPICAL_WORK_REQUESTS = 50
 # An endpoint's admission rate (Router._learn_admissions): decaying sums over about this many
 # of its scrape windows.
 ADMISSION_WINDOWS = 8
+# Below this many running requests a ceiling is more likely the load than a batch-slot limit.
+SLOT_CEILING_MIN = 32
 # Cold starts balance the prefill work placed on each endpoint over about this many of the
 # latest cold starts (Scheduler._balance).
 BALANCE_COLD_STARTS = 512
@@ -133,6 +135,9 @@ class Router:
         # endpoints report a (nearly) full cache.
         self._blocked_work = _DrainingWork()
         self._kv_full = np.zeros(0, dtype=bool)
+        # The most requests each endpoint was seen running (its batch-slot ceiling, as far
+        # as this router can tell: ``_slot_bound``).
+        self._running_ceiling = np.zeros(0)
         # Requests each endpoint finished and the time it took, decaying sums over its last
         # ADMISSION_WINDOWS scrapes, and the clock time of its last scrape (NaN: none yet).
         self._admitted = np.zeros(0)
@@ -197,6 +202,7 @@ class Router:
         self._reported_load = carried(self._reported_load, np.nan, np.float64)
         self._saturated = carried(self._saturated, False, bool)
         self._kv_full = carried(self._kv_full, False, bool)
+        self._running_ceiling = carried(self._running_ceiling, 0.0, np.float64)
         self._admitted = carried(self._admitted, 0.0, np.float64)
         self._admitted_seconds = carried(self._admitted_seconds, 0.0, np.float64)
         self._scraped_at = carried(self._scraped_at, np.nan, np.float64)
@@ -238,7 +244,9 @@ class Router:
         if up:
             self._learn_admissions(i, prefill_window[1] if prefill_window else 0.0)
         self._unseen_work.amount[i] = self._blocked_work.amount[i] = 0.0
-        self._kv_full[i] = up and self._memory_bound(kv_usage)
+        self._kv_full[i] = up and (
+            self._memory_bound(kv_usage) or self._slot_bound(i, running, waiting)
+        )
         if not up:
             self._reported_load[i], self._saturated[i] = np.nan, False
             return
@@ -289,6 +297,25 @@ class Router:
         had room (docs/benchmarks.md, item 15)."""
         fraction = self.config.kv_blocked_fraction
         return fraction > 0 and kv_usage is not None and kv_usage >= fraction
+
+    def _slot_bound(self, i: int, running: float | None, waiting: float | None) -> bool:
+        """Requests waiting there wait for a batch slot (vLLM's max_num_seqs), which frees
+        as running requests finish, like KV memory (``_memory_bound``). vLLM does not export
+        the limit, so it is learned as the most requests the endpoint was seen running.
+        Multi-turn chat with long answers at 4 x 4M tokens (simulator) held one replica at
+        its 128 slots with KV usage 0.29 and 10-12 waiting, and second rounds queued there
+        3.3 s on average while this router priced them as its own drained prefills."""
+        if running is None:
+            return False
+        ceiling = max(self._running_ceiling[i], running)
+        self._running_ceiling[i] = ceiling
+        fraction = self.config.slot_blocked_fraction
+        return (
+            fraction > 0
+            and bool(waiting)
+            and ceiling >= SLOT_CEILING_MIN
+            and running >= fraction * ceiling
+        )
 
     def _learn_prefill_rate(self, tokens: float, prefills: float, seconds: float) -> None:
         """Queued work drains at the endpoints' prefill throughput, which depends on the GPU

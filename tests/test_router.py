@@ -472,6 +472,44 @@ def test_the_wait_for_kv_memory_is_priced_by_how_fast_the_endpoint_admits_reques
     assert stay.endpoint == home and queued == round(5 * typical)
 
 
+def test_requests_waiting_for_a_batch_slot_are_priced_like_those_waiting_for_memory():
+    """An endpoint running as many requests as it ever has (vLLM's max_num_seqs, which it
+    does not export) with requests waiting admits one only as a running one finishes, even
+    with KV memory free. Priced by its admission rate, the wait moves a conversation off.
+    Below its ceiling the waiting requests are a prefill queue, and a ceiling under
+    SLOT_CEILING_MIN is more likely the load than a limit: they are this router's own
+    charges, drained on its clock, and it stays; and with the rule off."""
+    turn1 = chat("explain rendezvous hashing " * 600)
+    turn2 = chat("explain rendezvous hashing " * 600, "sure: ...", "and with weights?")
+
+    def second_turn(config: RoutingConfig, ceiling: int, running: int):
+        clock = Clock()
+        router = Router(config, ENDPOINTS, clock=clock)
+        first = router.route(turn1)
+        router.finish(first)
+        home = first.endpoint
+        assert home is not None
+        for i in range(5):
+            router.route(completion(f"own request {i}"), allowed={home})
+        router.observe_signals(home, up=True, running=ceiling, waiting=5, kv_usage=0.3)
+        clock.now += 2.0
+        router.observe_signals(
+            home, up=True, running=running, waiting=5, kv_usage=0.3, prefill_window=(1e3, 1, 0.1)
+        )
+        decision = router.route(turn2)
+        queued = {c["endpoint"]: c for c in decision.explain()["candidates"]}[home]
+        return home, decision, queued["queued_work"], router.cost.drain_per_second
+
+    config = RoutingConfig(load_slack=1000)
+    home, moved, queued, drain = second_turn(config, ceiling=128, running=128)
+    assert moved.endpoint != home and moved.rule == RULE_LOAD_GUARD
+    assert queued == pytest.approx(5 / 0.5 * drain, rel=0.01)
+    off = config.model_copy(update={"slot_blocked_fraction": 0.0})
+    for other_config, ceiling, running in ((config, 128, 64), (config, 16, 16), (off, 128, 128)):
+        home, stay, queued, _ = second_turn(other_config, ceiling, running)
+        assert stay.endpoint == home and queued == 0
+
+
 def test_reported_load_from_other_routers_counts_in_the_guard():
     config = RoutingConfig(load_epsilon=0.0, load_slack=1)
     router = Router(config, ENDPOINTS)
