@@ -277,6 +277,12 @@ class RoutingConfig(_Strict):
         "(its batch slots, vLLM's max_num_seqs), at which its waiting requests wait for a "
         "slot and count like those waiting for memory (0 = off)",
     )
+    slot_ceiling_min: int = Field(
+        default=32,
+        ge=1,
+        description="fewest running requests taken as an endpoint's batch-slot ceiling "
+        "(slot_blocked_fraction); a lower peak is more likely the load than a limit",
+    )
     kv_wait_from_admissions: bool = Field(
         default=True,
         description="price the wait at an endpoint waiting for KV memory by its admission "

@@ -57,8 +57,6 @@ TYPICAL_WORK_REQUESTS = 50
 # An endpoint's admission rate (Router._learn_admissions): decaying sums over about this many
 # of its scrape windows.
 ADMISSION_WINDOWS = 8
-# Below this many running requests a ceiling is more likely the load than a batch-slot limit.
-SLOT_CEILING_MIN = 32
 # Cold starts balance the prefill work placed on each endpoint over about this many of the
 # latest cold starts (Scheduler._balance).
 BALANCE_COLD_STARTS = 512
@@ -313,7 +311,7 @@ class Router:
         return (
             fraction > 0
             and bool(waiting)
-            and ceiling >= SLOT_CEILING_MIN
+            and ceiling >= self.config.slot_ceiling_min
             and running >= fraction * ceiling
         )
 

@@ -477,8 +477,8 @@ def test_requests_waiting_for_a_batch_slot_are_priced_like_those_waiting_for_mem
     does not export) with requests waiting admits one only as a running one finishes, even
     with KV memory free. Priced by its admission rate, the wait moves a conversation off.
     Below its ceiling the waiting requests are a prefill queue, and a ceiling under
-    SLOT_CEILING_MIN is more likely the load than a limit: they are this router's own
-    charges, drained on its clock, and it stays; and with the rule off."""
+    ``routing.slot_ceiling_min`` (32) is more likely the load than a limit: they are this
+    router's own charges, drained on its clock, and it stays; and with the rule off."""
     turn1 = chat("explain rendezvous hashing " * 600)
     turn2 = chat("explain rendezvous hashing " * 600, "sure: ...", "and with weights?")
 
@@ -508,6 +508,10 @@ def test_requests_waiting_for_a_batch_slot_are_priced_like_those_waiting_for_mem
     for other_config, ceiling, running in ((config, 128, 64), (config, 16, 16), (off, 128, 128)):
         home, stay, queued, _ = second_turn(other_config, ceiling, running)
         assert stay.endpoint == home and queued == 0
+    # A server configured with few slots: the operator lowers the floor, and it counts.
+    few_slots = config.model_copy(update={"slot_ceiling_min": 16})
+    home, moved, _, _ = second_turn(few_slots, ceiling=16, running=16)
+    assert moved.endpoint != home and moved.rule == RULE_LOAD_GUARD
 
 
 def test_reported_load_from_other_routers_counts_in_the_guard():

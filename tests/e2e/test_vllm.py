@@ -337,3 +337,122 @@ def test_a_router_continues_on_vllm_the_conversations_its_peer_started(
     assert served == [x] * len(conversations)
     # Each second turn's first ~300 tokens were prefilled on X by its first turn.
     assert gained >= 200 * len(conversations)
+
+
+def _answer(address: str, i: int, tokens: int) -> int:
+    body = orjson.dumps(
+        {
+            "model": lab.SERVED_MODEL_NAME,
+            "prompt": f"filler request {i}: count slowly.",
+            "max_tokens": tokens,
+            "ignore_eos": True,  # vLLM's extension: every answer runs to max_tokens
+        }
+    )
+    conn = http.client.HTTPConnection(*address.rsplit(":", 1), timeout=300)
+    try:
+        conn.request("POST", "/v1/completions", body, {"content-type": "application/json"})
+        response = conn.getresponse()
+        response.read()
+        return response.status
+    finally:
+        conn.close()
+
+
+def test_a_vllm_server_out_of_batch_slots_is_priced_by_its_own_metrics(
+    vllm_endpoints: list[str],
+) -> None:
+    """vLLM runs at most max_num_seqs requests (lab.vllm_command's 16) and queues the rest
+    while its KV memory is nearly empty. A router sends one server 8 short and 24 long
+    answers and is fed that server's own metrics as the service feeds them
+    (signals.parse_metrics, signals.prefill_window): the short ones finishing give it the
+    server's admission rate, and once its own charges have drained on its clock, with 16
+    running and 8 still waiting, it prices the wait at that rate
+    (routing.slot_blocked_fraction, routing.slot_ceiling_min lowered to the 16 slots) and
+    moves a conversation off the server. With the rule off the waiting requests are its own
+    drained charges, and the conversation stays."""
+    import inspect
+    from concurrent.futures import ThreadPoolExecutor
+
+    from extproc.config import EndpointConfig, RoutingConfig
+    from extproc.prompt import parse_request
+    from extproc.router import Router
+
+    slots = inspect.signature(lab.vllm_command).parameters["max_num_seqs"].default
+    lengths = [64] * 8 + [1536] * (slots + 8)  # FIFO: the short ones run first
+    _wait_until_idle(vllm_endpoints)
+    home, other = vllm_endpoints
+    endpoints = [EndpointConfig(address=a) for a in vllm_endpoints]
+    config = RoutingConfig(slot_ceiling_min=slots, load_slack=1000)  # no count guard
+    routers = {
+        "on": Router(config, endpoints),
+        "off": Router(config.model_copy(update={"slot_blocked_fraction": 0.0}), endpoints),
+    }
+
+    def chat(*turns: str):
+        messages = [{"role": "system", "content": "You answer briefly and kindly. " * 40}]
+        messages += [
+            {"role": "user" if i % 2 == 0 else "assistant", "content": t}
+            for i, t in enumerate(turns)
+        ]
+        return parse_request("chat", orjson.dumps({"model": "m", "messages": messages}))
+
+    charged = {name: [] for name in routers}
+    for name, router in routers.items():
+        router.finish(router.route(chat("name a colour"), allowed=frozenset({home})))
+        for i in range(len(lengths)):
+            filler = parse_request("completions", orjson.dumps({"model": "m", "prompt": f"f{i}"}))
+            charged[name].append(router.route(filler, allowed=frozenset({home})))
+    ended: set[int] = set()
+    seen = []
+    with ThreadPoolExecutor(len(lengths)) as pool:
+        sent = time.monotonic()
+        answers = [pool.submit(_answer, home, i, n) for i, n in enumerate(lengths)]
+        previous = {a: signals.parse_metrics(_get(f"http://{a}/metrics")) for a in vllm_endpoints}
+        deadline = time.monotonic() + 120
+        while True:
+            time.sleep(0.25)
+            # This router's own requests end as their answers come back, as in the service.
+            for i in (i for i, a in enumerate(answers) if a.done() and i not in ended):
+                ended.add(i)
+                for name, router in routers.items():
+                    router.finish(charged[name][i])
+            for address in (other, home):  # home last: decide on its newest figures
+                now = signals.parse_metrics(_get(f"http://{address}/metrics"))
+                window = signals.prefill_window(previous[address], now)
+                previous[address] = now
+                for router in routers.values():
+                    router.observe_signals(
+                        address,
+                        now.up,
+                        now.running,
+                        now.waiting,
+                        now.kv_usage,
+                        prefill_window=window,
+                    )
+            at_home = previous[home]
+            elapsed = round(time.monotonic() - sent, 2)
+            seen.append((elapsed, len(ended), at_home.running, at_home.waiting, at_home.kv_usage))
+            # Its own charges for the fillers drain within about a second at its prefill
+            # rate, and the admission rate falls as scrapes pass without an answer ending;
+            # the server still waits for slots.
+            if (
+                elapsed > 3.0
+                and len(ended) >= 8
+                and at_home.running == slots
+                and (at_home.waiting or 0) > 0
+            ):
+                break
+            assert time.monotonic() < deadline and not answers[-1].done(), seen
+        assert at_home.kv_usage is not None and at_home.kv_usage < 0.5, seen  # memory free
+        decisions = {
+            name: r.route(chat("name a colour", "red", "and another?"))
+            for name, r in routers.items()
+        }
+        assert [a.result() for a in answers] == [200] * len(lengths)
+    queued = {
+        name: {c["endpoint"]: c["queued_work"] for c in d.explain()["candidates"]}[home]
+        for name, d in decisions.items()
+    }
+    assert decisions["on"].endpoint == other and queued["on"] > 0, (queued, seen)
+    assert decisions["off"].endpoint == home and queued["off"] == 0, (queued, seen)
+    print(f"vLLM out of batch slots: queued work {queued}, scrapes {seen}")
