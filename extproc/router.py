@@ -129,10 +129,10 @@ class Router:
         # Other routers' queued work as of the last scrape (``_unseen``), and the charges of
         # requests that ended before their prefill may have (``_detached_now``).
         self._unseen_work = _DrainingWork()
-        # Requests waiting for KV memory that this router sent (``_memory_bound``), and which
-        # endpoints report a (nearly) full cache.
+        # Requests waiting for KV memory or a batch slot that this router sent
+        # (``_memory_bound``, ``_slot_bound``), and which endpoints have no room for more.
         self._blocked_work = _DrainingWork()
-        self._kv_full = np.zeros(0, dtype=bool)
+        self._no_room = np.zeros(0, dtype=bool)
         # The most requests each endpoint was seen running (its batch-slot ceiling, as far
         # as this router can tell: ``_slot_bound``).
         self._running_ceiling = np.zeros(0)
@@ -199,7 +199,7 @@ class Router:
         self._work_at = carried(self._work_at, 0.0, np.float64)
         self._reported_load = carried(self._reported_load, np.nan, np.float64)
         self._saturated = carried(self._saturated, False, bool)
-        self._kv_full = carried(self._kv_full, False, bool)
+        self._no_room = carried(self._no_room, False, bool)
         self._running_ceiling = carried(self._running_ceiling, 0.0, np.float64)
         self._admitted = carried(self._admitted, 0.0, np.float64)
         self._admitted_seconds = carried(self._admitted_seconds, 0.0, np.float64)
@@ -242,7 +242,9 @@ class Router:
         if up:
             self._learn_admissions(i, prefill_window[1] if prefill_window else 0.0)
         self._unseen_work.amount[i] = self._blocked_work.amount[i] = 0.0
-        self._kv_full[i] = up and (
+        if up and running is not None:
+            self._running_ceiling[i] = max(self._running_ceiling[i], running)
+        self._no_room[i] = up and (
             self._memory_bound(kv_usage) or self._slot_bound(i, running, waiting)
         )
         if not up:
@@ -255,7 +257,7 @@ class Router:
             unseen = max(0.0, waiting - float(self._in_flight[i]))
             if self.config.count_unseen_waiting:
                 self._unseen_work.set(i, unseen * self._typical_work, now, rate)
-            if self._kv_full[i] and waiting > unseen:
+            if self._no_room[i] and waiting > unseen:
                 blocked = (waiting - unseen) * self._typical_work
                 admitted = self._admitted[i] / max(1e-9, self._admitted_seconds[i])
                 if self.config.kv_wait_from_admissions and admitted > 0:
@@ -303,13 +305,10 @@ class Router:
         Multi-turn chat with long answers at 4 x 4M tokens (simulator) held one replica at
         its 128 slots with KV usage 0.29 and 10-12 waiting, and second rounds queued there
         3.3 s on average while this router priced them as its own drained prefills."""
-        if running is None:
-            return False
-        ceiling = max(self._running_ceiling[i], running)
-        self._running_ceiling[i] = ceiling
-        fraction = self.config.slot_blocked_fraction
+        ceiling, fraction = self._running_ceiling[i], self.config.slot_blocked_fraction
         return (
             fraction > 0
+            and running is not None
             and bool(waiting)
             and ceiling >= self.config.slot_ceiling_min
             and running >= fraction * ceiling
@@ -476,7 +475,7 @@ class Router:
         rate = self.cost.drain_per_second
         left = self._unseen_work.left(positions, now, rate)
         blocked = self._blocked_work.left(positions, now, rate)  # 0.0 while none is left
-        if isinstance(blocked, np.ndarray) and not self._kv_full[positions].all():
+        if isinstance(blocked, np.ndarray) and not self._no_room[positions].all():
             left = left + blocked
         if isinstance(left, np.ndarray) and left.any():
             # Only the excess over the endpoints' median: a queue every endpoint has does not

@@ -12,14 +12,19 @@ consumed them.
 from __future__ import annotations
 
 import http.client
+import inspect
 import time
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 
 import orjson
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from extproc import bench_live, lab, signals
+from extproc.config import EndpointConfig, RoutingConfig
+from extproc.prompt import parse_request
+from extproc.router import Router
 from extproc.stack import LOOPBACK, Stack
 from extproc.workload import ChatWorkload
 
@@ -370,13 +375,6 @@ def test_a_vllm_server_out_of_batch_slots_is_priced_by_its_own_metrics(
     (routing.slot_blocked_fraction, routing.slot_ceiling_min lowered to the 16 slots) and
     moves a conversation off the server. With the rule off the waiting requests are its own
     drained charges, and the conversation stays."""
-    import inspect
-    from concurrent.futures import ThreadPoolExecutor
-
-    from extproc.config import EndpointConfig, RoutingConfig
-    from extproc.prompt import parse_request
-    from extproc.router import Router
-
     slots = inspect.signature(lab.vllm_command).parameters["max_num_seqs"].default
     lengths = [64] * 8 + [1536] * (slots + 8)  # FIFO: the short ones run first
     _wait_until_idle(vllm_endpoints)
