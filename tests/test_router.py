@@ -432,33 +432,44 @@ def test_requests_waiting_for_kv_memory_count_as_work_though_this_router_sent_th
     assert stay.endpoint == home
 
 
+LONG_TURN1 = chat("explain rendezvous hashing " * 600)
+LONG_TURN2 = chat("explain rendezvous hashing " * 600, "sure: ...", "and with weights?")
+
+
+def _second_turn_after_two_scrapes(config: RoutingConfig, first_scrape: dict, second_scrape: dict):
+    """A router places LONG_TURN1, sends five requests of its own to the same endpoint, reads
+    two scrapes of it two seconds apart and routes LONG_TURN2: (home, the decision, the queued
+    work it priced at home, its typical charge, its drain rate)."""
+    clock = Clock()
+    router = Router(config, ENDPOINTS, clock=clock)
+    first = router.route(LONG_TURN1)
+    router.finish(first)
+    home = first.endpoint
+    assert home is not None
+    mine = [router.route(completion(f"own request {i}"), allowed={home}) for i in range(5)]
+    router.observe_signals(home, up=True, **first_scrape)
+    clock.now += 2.0
+    router.observe_signals(home, up=True, **second_scrape)
+    decision = router.route(LONG_TURN2)
+    queued = {c["endpoint"]: c for c in decision.explain()["candidates"]}[home]
+    typical = (first.work + sum(d.work for d in mine)) / 6
+    return home, decision, queued["queued_work"], typical, router.cost.drain_per_second
+
+
 def test_the_wait_for_kv_memory_is_priced_by_how_fast_the_endpoint_admits_requests():
     """An endpoint whose KV memory is full admits a waiting request only as a running one
     finishes (long outputs: seconds each), not at the pace of their prefills. Five waiting
     requests priced as five short prefills keep a conversation there; at the half a request
     per second the endpoint reports finishing they are a ten-second wait, and it moves. The
     rate comes from its counters between two scrapes; with the option off it stays."""
-    turn1 = chat("explain rendezvous hashing " * 600)
-    turn2 = chat("explain rendezvous hashing " * 600, "sure: ...", "and with weights?")
 
     def second_turn(config: RoutingConfig, finished: float):
-        clock = Clock()
-        router = Router(config, ENDPOINTS, clock=clock)
-        first = router.route(turn1)
-        router.finish(first)
-        home = first.endpoint
-        assert home is not None
-        mine = [router.route(completion(f"own request {i}"), allowed={home}) for i in range(5)]
-        router.observe_signals(home, up=True, running=4, waiting=5, kv_usage=0.5)
-        clock.now += 2.0
         window = (1000.0, finished, 0.1) if finished else None
-        router.observe_signals(
-            home, up=True, running=4, waiting=5, kv_usage=0.95, prefill_window=window
+        return _second_turn_after_two_scrapes(
+            config,
+            dict(running=4, waiting=5, kv_usage=0.5),
+            dict(running=4, waiting=5, kv_usage=0.95, prefill_window=window),
         )
-        decision = router.route(turn2)
-        queued = {c["endpoint"]: c for c in decision.explain()["candidates"]}[home]
-        typical = (first.work + sum(d.work for d in mine)) / 6
-        return home, decision, queued["queued_work"], typical, router.cost.drain_per_second
 
     config = RoutingConfig(load_slack=1000)  # no count guard: the queued work alone decides
     home, moved, queued, _, drain = second_turn(config, finished=1.0)
@@ -479,26 +490,14 @@ def test_requests_waiting_for_a_batch_slot_are_priced_like_those_waiting_for_mem
     Below its ceiling the waiting requests are a prefill queue, and a ceiling under
     ``routing.slot_ceiling_min`` (32) is more likely the load than a limit: they are this
     router's own charges, drained on its clock, and it stays; and with the rule off."""
-    turn1 = chat("explain rendezvous hashing " * 600)
-    turn2 = chat("explain rendezvous hashing " * 600, "sure: ...", "and with weights?")
 
     def second_turn(config: RoutingConfig, ceiling: int, running: int):
-        clock = Clock()
-        router = Router(config, ENDPOINTS, clock=clock)
-        first = router.route(turn1)
-        router.finish(first)
-        home = first.endpoint
-        assert home is not None
-        for i in range(5):
-            router.route(completion(f"own request {i}"), allowed={home})
-        router.observe_signals(home, up=True, running=ceiling, waiting=5, kv_usage=0.3)
-        clock.now += 2.0
-        router.observe_signals(
-            home, up=True, running=running, waiting=5, kv_usage=0.3, prefill_window=(1e3, 1, 0.1)
+        home, decision, queued, _, drain = _second_turn_after_two_scrapes(
+            config,
+            dict(running=ceiling, waiting=5, kv_usage=0.3),
+            dict(running=running, waiting=5, kv_usage=0.3, prefill_window=(1e3, 1, 0.1)),
         )
-        decision = router.route(turn2)
-        queued = {c["endpoint"]: c for c in decision.explain()["candidates"]}[home]
-        return home, decision, queued["queued_work"], router.cost.drain_per_second
+        return home, decision, queued, drain
 
     config = RoutingConfig(load_slack=1000)
     home, moved, queued, drain = second_turn(config, ceiling=128, running=128)
