@@ -78,6 +78,7 @@ class _Publisher:
         self._on_change = on_change
         self._capacity = config.capacity_tokens
         self._weight = config.weight
+        self._batch_slots = config.batch_slots
         self.current: list[str] | None = None
 
     def publish(self, addresses: Iterable[str]) -> bool:
@@ -86,7 +87,12 @@ class _Publisher:
             return False
         self.current = ordered
         endpoints = [
-            EndpointConfig(address=a, capacity_tokens=self._capacity, weight=self._weight)
+            EndpointConfig(
+                address=a,
+                capacity_tokens=self._capacity,
+                weight=self._weight,
+                batch_slots=self._batch_slots,
+            )
             for a in ordered
         ]
         log.info("endpoints now (%d): %s", len(ordered), ", ".join(ordered) or "none")
