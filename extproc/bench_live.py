@@ -685,6 +685,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--questions", type=int, default=g.questions, help="per group")
     parser.add_argument("--prefix-words", type=int, default=g.prefix_words)
     parser.add_argument("--kv-blocks", type=int, default=None, help="vLLM KV blocks per server")
+    parser.add_argument(
+        "--max-num-seqs", type=int, default=16, help="vLLM batch slots per server (max_num_seqs)"
+    )
     parser.add_argument("--seed", type=int, default=7)
     parser.add_argument("--run-timeout", type=float, default=300.0, help="limit per run (s)")
     parser.add_argument("--json", dest="json_out", help="write results as JSON here")
@@ -756,6 +759,7 @@ def run(args: argparse.Namespace) -> int:
             kv_blocks=args.kv_blocks,
             extra_args=vllm_extra,
             access_log=True,
+            max_num_seqs=args.max_num_seqs,
         ) as servers:
             addresses = [s.address for s in servers]
             warm_up(addresses, lab.SERVED_MODEL_NAME)
@@ -789,6 +793,7 @@ def run(args: argparse.Namespace) -> int:
         "chat_workload": asdict(chat),
         "group_workload": asdict(groups),
         "kv_blocks": args.kv_blocks,
+        "max_num_seqs": args.max_num_seqs,
         "wall_seconds": round(time.monotonic() - started, 1),
         "results": results,
     }

@@ -424,12 +424,19 @@ def start_vllm(
     extra_args: Sequence[str] = (),
     access_log: bool = False,
     die_with_parent: bool = True,
+    max_num_seqs: int = 16,
 ) -> Server:
     """Start one vLLM OpenAI server on 127.0.0.1 (returns at once; see wait_healthy)."""
     port = port or free_port()
     log_path = log_dir / f"{name}.log"
     args = vllm_command(
-        python, model_dir, port, kv_blocks, extra_args=extra_args, access_log=access_log
+        python,
+        model_dir,
+        port,
+        kv_blocks,
+        max_num_seqs=max_num_seqs,
+        extra_args=extra_args,
+        access_log=access_log,
     )
     process = _spawn(args, vllm_env(core, kv_space_gb), log_path, die_with_parent)
     return Server(name, port, str(log_path), process.pid, core, "vllm", process)
@@ -525,6 +532,7 @@ def vllm_servers(
     timeout: float = 420.0,
     quiet: bool = False,
     access_log: bool = False,
+    max_num_seqs: int = 16,
 ) -> Iterator[list[Server]]:
     """Prepare vLLM and the model if needed, start ``count`` servers, yield them, stop them."""
     python = ensure_vllm_env(quiet=quiet)
@@ -542,6 +550,7 @@ def vllm_servers(
                     kv_blocks=kv_blocks,
                     extra_args=extra_args,
                     access_log=access_log,
+                    max_num_seqs=max_num_seqs,
                 )
             )
         wait_healthy(servers, timeout=timeout, quiet=quiet)
