@@ -209,6 +209,24 @@ def vllm_counters(address: str) -> dict[str, float]:
     return out
 
 
+def routing_rules(admin_ports: Sequence[int]) -> dict[str, float]:
+    """Requests our routers routed, by the rule that decided (their admin /metrics)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out: dict[str, float] = {}
+    for port in admin_ports:
+        text = _http("GET", f"http://{LOOPBACK}:{port}/metrics").decode()
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                if (
+                    sample.name == "prefix_router_requests_total"
+                    and sample.labels.get("outcome") == "routed"
+                ):
+                    reason = sample.labels.get("reason", "")
+                    out[reason] = out.get(reason, 0.0) + sample.value
+    return out
+
+
 def reset_caches(addresses: Sequence[str]) -> None:
     """Empty every server's prefix cache; vLLM refuses while requests run, so retry."""
     for address in addresses:
@@ -257,6 +275,7 @@ class Target:
     url: str
     router_pid: int | None = None  # the router's process tree (ours or a peer)
     proxy_pid: int | None = None  # Envoy, where it is in the path
+    admin_ports: tuple[int, ...] = ()  # our routers' admin ports (rule counts)
 
 
 def measured_run(
@@ -283,6 +302,7 @@ def measured_run(
         for name, pid in pids.items()
     }
     before = {a: vllm_counters(a) for a in servers}
+    rules_before = routing_rules(target.admin_ports)
     cpu_before = {name: tree_cpu_seconds(pid) for name, pid in pids.items()}
     total = chat.conversations * chat.turns if kind == "chat" else groups.groups * groups.questions
     with tqdm(
@@ -301,6 +321,12 @@ def measured_run(
     time.sleep(1.0)  # let the servers publish the last requests' counters
     after = {a: vllm_counters(a) for a in servers}
     row = summarise(target.run, kind, result, before, after, cpu)
+    rules = routing_rules(target.admin_ports)
+    row["rules"] = {
+        rule: int(count - rules_before.get(rule, 0.0))
+        for rule, count in sorted(rules.items())
+        if count > rules_before.get(rule, 0.0)
+    }
     n = max(1, row["requests"])
     net = {name: max(0.0, cpu[name] - idle_rate[name] * result.seconds) for name in pids}
     row["router_idle_cpu_ms_per_s"] = (
@@ -520,7 +546,7 @@ def start_target(
             url, envoy, pid = _envoy_in_front(stack, run, servers, "override-host", routers)
             started.append(envoy)
             # Two router processes: no single process tree to charge CPU to.
-            yield Target(run, url, None, pid)
+            yield Target(run, url, None, pid, tuple(admin))
         elif run in ("round_robin", "prefix_buffered", "prefix_duplex", "prefix_blocks"):
             body_mode = "full_duplex_streamed" if run == "prefix_duplex" else "buffered"
             if run == "prefix_blocks":
@@ -536,7 +562,10 @@ def start_target(
             mode = "round-robin" if run == "round_robin" else "override-host"
             url, envoy, pid = _envoy_in_front(stack, run, servers, mode, router_address, body_mode)
             started.append(envoy)
-            yield Target(run, url, router_pid, pid)
+            admin_ports = (
+                () if run == "round_robin" else (stack.router_admin_ports[f"router-{run}"],)
+            )
+            yield Target(run, url, router_pid, pid, admin_ports)
         elif run in PEERS:
             peer = start_peer(stack, run, servers, model_dir if run == "sglang" else None)
             started.append(peer.proc)
@@ -774,7 +803,8 @@ def run(args: argparse.Namespace) -> int:
                     results.append(row)
                     print(
                         f"{name:>15} {kind:6}: hit {row['hit_ratio']:.3f}, "
-                        f"TTFT p50 {row['ttft_p50_ms']:.0f} ms, errors {row['errors']}",
+                        f"TTFT p50 {row['ttft_p50_ms']:.0f} ms, errors {row['errors']}, "
+                        f"rules {row['rules'] or '-'}",
                         file=sys.stderr,
                     )
     doc: dict[str, Any] = {

@@ -271,3 +271,6 @@ def test_one_envoy_spreads_requests_over_two_router_replicas(tmp_path):
                 assert time.monotonic() < deadline, (decided, peers)
                 time.sleep(0.2)
             assert min(decided) >= 5, decided  # round robin over the two: about 10 each
+            # The live benchmark's rule counts: every request, summed over both routers.
+            assert sorted(target.admin_ports) == sorted(admins)
+            assert sum(bench_live.routing_rules(target.admin_ports).values()) == 20
