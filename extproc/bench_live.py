@@ -321,7 +321,14 @@ def measured_run(
     time.sleep(1.0)  # let the servers publish the last requests' counters
     after = {a: vllm_counters(a) for a in servers}
     row = summarise(target.run, kind, result, before, after, cpu)
-    rules = routing_rules(target.admin_ports)
+    # A request is counted when its ext_proc stream ends, which can trail its response.
+    deadline = time.monotonic() + 5.0
+    while True:
+        rules = routing_rules(target.admin_ports)
+        counted = sum(rules.values()) - sum(rules_before.values())
+        if not target.admin_ports or counted >= row["requests"] or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
     row["rules"] = {
         rule: int(count - rules_before.get(rule, 0.0))
         for rule, count in sorted(rules.items())
