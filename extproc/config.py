@@ -77,8 +77,8 @@ class EndpointConfig(_Strict):
         default=None,
         gt=0,
         description="most requests the server runs at once (vLLM --max-num-seqs, SGLang "
-        "--max-running-requests), counted besides the most it was seen running "
-        "(routing.slot_ceiling_min); needed when under that floor",
+        "--max-running-requests); unset: learned as the most seen running "
+        "(routing.slot_ceiling_min)",
     )
 
     @field_validator("address")
@@ -288,14 +288,14 @@ class RoutingConfig(_Strict):
         default=None,
         gt=0,
         description="batch slots of endpoints without batch_slots (vLLM --max-num-seqs); "
-        "unset: only the most each was seen running counts",
+        "unset: learned as the most each was seen running",
     )
     slot_ceiling_min: int = Field(
         default=32,
         ge=1,
         description="fewest running requests taken as an endpoint's batch-slot ceiling "
-        "(slot_blocked_fraction); a lower peak is more likely the load than a limit "
-        "(configured batch_slots count whatever their size)",
+        "(slot_blocked_fraction) when its batch_slots is not configured; a lower peak is "
+        "more likely the load than a limit",
     )
     kv_wait_from_admissions: bool = Field(
         default=True,

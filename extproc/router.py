@@ -304,25 +304,22 @@ class Router:
 
     def _slot_bound(self, i: int, running: float | None, waiting: float | None) -> bool:
         """Requests waiting there wait for a batch slot (vLLM's max_num_seqs), which frees
-        as running requests finish, like KV memory (``_memory_bound``). vLLM does not export
-        the limit, so it is learned as the most requests the endpoint was seen running, from
-        ``slot_ceiling_min`` up; an endpoint's configured ``batch_slots`` (or
-        ``default_batch_slots``) counts too, so a limit under that floor is recognised.
-        Multi-turn chat with long answers at 4 x 4M tokens (simulator) held one replica at
-        its 128 slots with KV usage 0.29 and 10-12 waiting, and second rounds queued there
-        3.3 s on average while this router priced them as its own drained prefills. The
-        configured limit does not replace the learned one: in the simulator the most a
-        replica ran was often under its 128 slots (64-84 in the GAIE cells), and counting
-        that lower ceiling too shortened the p99 of long answers under tight memory (GAIE
-        long questions, 8 x 600k: 746 ms against 1,005 with the configured 128 alone)."""
+        as running requests finish, like KV memory (``_memory_bound``). The limit is the
+        endpoint's ``batch_slots`` (or ``default_batch_slots``) when configured; vLLM does
+        not export it, so otherwise it is learned as the most requests the endpoint was seen
+        running, from ``slot_ceiling_min`` up. Multi-turn chat with long answers at 4 x 4M
+        tokens (simulator) held one replica at its 128 slots with KV usage 0.29 and 10-12
+        waiting, and second rounds queued there 3.3 s on average while this router priced
+        them as its own drained prefills."""
         fraction = self.config.slot_blocked_fraction
         if fraction <= 0 or running is None or not waiting:
             return False
-        learned = self._running_ceiling[i]
-        if learned >= self.config.slot_ceiling_min and running >= fraction * learned:
-            return True
-        configured = self._batch_slots[i]
-        return not np.isnan(configured) and running >= fraction * configured
+        ceiling = self._batch_slots[i]
+        if np.isnan(ceiling):
+            ceiling = self._running_ceiling[i]
+            if ceiling < self.config.slot_ceiling_min:
+                return False
+        return running >= fraction * ceiling
 
     def _learn_prefill_rate(self, tokens: float, prefills: float, seconds: float) -> None:
         """Queued work drains at the endpoints' prefill throughput, which depends on the GPU
