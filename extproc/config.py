@@ -73,13 +73,6 @@ class EndpointConfig(_Strict):
         default=None, gt=0, description="KV-cache size in tokens; sizes this endpoint's index"
     )
     weight: float = Field(default=1.0, gt=0, description="relative share of load it can take")
-    batch_slots: int | None = Field(
-        default=None,
-        gt=0,
-        description="most requests the server runs at once (vLLM --max-num-seqs, SGLang "
-        "--max-running-requests); unset: learned as the most seen running "
-        "(routing.slot_ceiling_min)",
-    )
 
     @field_validator("address")
     @classmethod
@@ -284,18 +277,11 @@ class RoutingConfig(_Strict):
         "(its batch slots, vLLM's max_num_seqs), at which its waiting requests wait for a "
         "slot and count like those waiting for memory (0 = off)",
     )
-    default_batch_slots: int | None = Field(
-        default=None,
-        gt=0,
-        description="batch slots of endpoints without batch_slots (vLLM --max-num-seqs); "
-        "unset: learned as the most each was seen running",
-    )
     slot_ceiling_min: int = Field(
         default=32,
         ge=1,
         description="fewest running requests taken as an endpoint's batch-slot ceiling "
-        "(slot_blocked_fraction) when its batch_slots is not configured; a lower peak is "
-        "more likely the load than a limit",
+        "(slot_blocked_fraction); a lower peak is more likely the load than a limit",
     )
     kv_wait_from_admissions: bool = Field(
         default=True,
@@ -336,8 +322,7 @@ class DiscoveryConfig(_Strict):
     kind=dns polls A/AAAA records of `dns_name` (port `dns_port`), or SRV records (port from
     the record) with `srv: true`. kind=kubernetes lists and watches the EndpointSlices of
     Service `service` in `namespace` and keeps the ready endpoints' `port`. Discovered
-    endpoints replace the static list; `capacity_tokens`/`weight`/`batch_slots` apply to each
-    of them.
+    endpoints replace the static list; `capacity_tokens`/`weight` apply to each of them.
     """
 
     kind: Literal["static", "dns", "kubernetes"] = "static"
@@ -373,7 +358,6 @@ class DiscoveryConfig(_Strict):
     # applied to every discovered endpoint
     capacity_tokens: int | None = Field(default=None, gt=0)
     weight: float = Field(default=1.0, gt=0)
-    batch_slots: int | None = Field(default=None, gt=0)
 
     @field_validator("namespace", "service")
     @classmethod

@@ -78,7 +78,6 @@ class _Publisher:
         self._on_change = on_change
         self._capacity = config.capacity_tokens
         self._weight = config.weight
-        self._batch_slots = config.batch_slots
         self.current: list[str] | None = None
 
     def publish(self, addresses: Iterable[str]) -> bool:
@@ -87,12 +86,7 @@ class _Publisher:
             return False
         self.current = ordered
         endpoints = [
-            EndpointConfig(
-                address=a,
-                capacity_tokens=self._capacity,
-                weight=self._weight,
-                batch_slots=self._batch_slots,
-            )
+            EndpointConfig(address=a, capacity_tokens=self._capacity, weight=self._weight)
             for a in ordered
         ]
         log.info("endpoints now (%d): %s", len(ordered), ", ".join(ordered) or "none")

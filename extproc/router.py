@@ -134,10 +134,8 @@ class Router:
         self._blocked_work = _DrainingWork()
         self._no_room = np.zeros(0, dtype=bool)
         # The most requests each endpoint was seen running (its batch-slot ceiling, as far
-        # as this router can tell: ``_slot_bound``), and the ceiling configured for it
-        # (``batch_slots``; NaN: learn it).
+        # as this router can tell: ``_slot_bound``).
         self._running_ceiling = np.zeros(0)
-        self._batch_slots = np.zeros(0)
         # Requests each endpoint finished and the time it took, decaying sums over its last
         # ADMISSION_WINDOWS scrapes, and the clock time of its last scrape (NaN: none yet).
         self._admitted = np.zeros(0)
@@ -210,8 +208,6 @@ class Router:
             draining.amount = carried(draining.amount, 0.0, np.float64)
             draining.since = carried(draining.since, 0.0, np.float64)
         self._weight = np.array([float(e.weight) for e in endpoints], dtype=np.float64)
-        slots = [e.batch_slots or self.config.default_batch_slots for e in endpoints]
-        self._batch_slots = np.array([np.nan if s is None else float(s) for s in slots])
         self._address_hash = np.array([address_hash(a) for a in addresses], dtype=np.uint64)
         self._addresses = addresses
         self._position = {a: i for i, a in enumerate(addresses)}
@@ -304,22 +300,19 @@ class Router:
 
     def _slot_bound(self, i: int, running: float | None, waiting: float | None) -> bool:
         """Requests waiting there wait for a batch slot (vLLM's max_num_seqs), which frees
-        as running requests finish, like KV memory (``_memory_bound``). The limit is the
-        endpoint's ``batch_slots`` (or ``default_batch_slots``) when configured; vLLM does
-        not export it, so otherwise it is learned as the most requests the endpoint was seen
-        running, from ``slot_ceiling_min`` up. Multi-turn chat with long answers at 4 x 4M
-        tokens (simulator) held one replica at its 128 slots with KV usage 0.29 and 10-12
-        waiting, and second rounds queued there 3.3 s on average while this router priced
-        them as its own drained prefills."""
-        fraction = self.config.slot_blocked_fraction
-        if fraction <= 0 or running is None or not waiting:
-            return False
-        ceiling = self._batch_slots[i]
-        if np.isnan(ceiling):
-            ceiling = self._running_ceiling[i]
-            if ceiling < self.config.slot_ceiling_min:
-                return False
-        return running >= fraction * ceiling
+        as running requests finish, like KV memory (``_memory_bound``). vLLM does not export
+        the limit, so it is learned as the most requests the endpoint was seen running.
+        Multi-turn chat with long answers at 4 x 4M tokens (simulator) held one replica at
+        its 128 slots with KV usage 0.29 and 10-12 waiting, and second rounds queued there
+        3.3 s on average while this router priced them as its own drained prefills."""
+        ceiling, fraction = self._running_ceiling[i], self.config.slot_blocked_fraction
+        return (
+            fraction > 0
+            and running is not None
+            and bool(waiting)
+            and ceiling >= self.config.slot_ceiling_min
+            and running >= fraction * ceiling
+        )
 
     def _learn_prefill_rate(self, tokens: float, prefills: float, seconds: float) -> None:
         """Queued work drains at the endpoints' prefill throughput, which depends on the GPU

@@ -17,8 +17,7 @@ def test_file_then_env_then_overrides(tmp_path):
     path = tmp_path / "c.yaml"
     path.write_text(
         "server: {workers: 2, listen: '127.0.0.1:7000'}\n"
-        "endpoints:\n  - {address: '127.0.0.1:8001', capacity_tokens: 1000, batch_slots: 256}\n"
-        "  - '127.0.0.1:8002'\n"
+        "endpoints:\n  - {address: '127.0.0.1:8001', capacity_tokens: 1000}\n  - '127.0.0.1:8002'\n"
     )
     env = {"PREFIX_ROUTER_SERVER__WORKERS": "3", "PREFIX_ROUTER_ROUTING__STICKINESS": "0.1"}
     cfg = load_config(path, {"server.listen": "127.0.0.1:7001"}, environ=env)
@@ -26,8 +25,7 @@ def test_file_then_env_then_overrides(tmp_path):
     assert cfg.server.listen == "127.0.0.1:7001"
     assert cfg.routing.stickiness == 0.1
     assert [e.address for e in cfg.endpoints] == ["127.0.0.1:8001", "127.0.0.1:8002"]
-    assert cfg.endpoints[0].capacity_tokens == 1000 and cfg.endpoints[0].batch_slots == 256
-    assert cfg.endpoints[1].batch_slots is None
+    assert cfg.endpoints[0].capacity_tokens == 1000
 
 
 def test_endpoints_from_a_comma_string_and_ipv6():
@@ -44,7 +42,6 @@ def test_endpoints_from_a_comma_string_and_ipv6():
         ({"server.listen": "localhost:80"}, "server.listen"),
         ({"endpoints": "model-server:8000"}, "endpoints.0.address"),
         ({"endpoints": "127.0.0.1:1,127.0.0.1:1"}, "endpoints"),
-        ({"endpoints": [{"address": "127.0.0.1:1", "batch_slots": 0}]}, "endpoints.0.batch_slots"),
         ({"routing.typo_field": 1}, "routing.typo_field"),
         ({"server.header_name": "has space"}, "server.header_name"),
     ],

@@ -383,7 +383,6 @@ async def test_dns_changes_failures_and_dedup() -> None:
         interval_seconds=0.01,
         backoff_initial_seconds=0.01,
         capacity_tokens=4096,
-        batch_slots=64,
     )
     received: list[list[EndpointConfig]] = []
     task = asyncio.create_task(DnsSource(config, resolver=resolver).run(received.append))
@@ -396,7 +395,7 @@ async def test_dns_changes_failures_and_dedup() -> None:
         ["10.0.0.1:8000", "10.0.0.3:8000", "[fd00::1]:8000"],  # the failure kept the old list
         [],
     ]
-    assert received[0][0].capacity_tokens == 4096 and received[0][0].batch_slots == 64
+    assert received[0][0].capacity_tokens == 4096
     assert calls[0] == ("vllm.llm.svc.cluster.local", 8000)
 
 

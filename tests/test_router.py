@@ -436,17 +436,12 @@ LONG_TURN1 = chat("explain rendezvous hashing " * 600)
 LONG_TURN2 = chat("explain rendezvous hashing " * 600, "sure: ...", "and with weights?")
 
 
-def _second_turn_after_two_scrapes(
-    config: RoutingConfig,
-    first_scrape: dict,
-    second_scrape: dict,
-    endpoints: list[EndpointConfig] = ENDPOINTS,
-):
+def _second_turn_after_two_scrapes(config: RoutingConfig, first_scrape: dict, second_scrape: dict):
     """A router places LONG_TURN1, sends five requests of its own to the same endpoint, reads
     two scrapes of it two seconds apart and routes LONG_TURN2: (home, the decision, the queued
     work it priced at home, its typical charge, its drain rate)."""
     clock = Clock()
-    router = Router(config, endpoints, clock=clock)
+    router = Router(config, ENDPOINTS, clock=clock)
     first = router.route(LONG_TURN1)
     router.finish(first)
     home = first.endpoint
@@ -494,15 +489,13 @@ def test_requests_waiting_for_a_batch_slot_are_priced_like_those_waiting_for_mem
     with KV memory free. Priced by its admission rate, the wait moves a conversation off.
     Below its ceiling the waiting requests are a prefill queue, and a ceiling under
     ``routing.slot_ceiling_min`` (32) is more likely the load than a limit: they are this
-    router's own charges, drained on its clock, and it stays; and with the rule off. An
-    endpoint's configured ``batch_slots`` replaces the learned ceiling."""
+    router's own charges, drained on its clock, and it stays; and with the rule off."""
 
-    def second_turn(config: RoutingConfig, ceiling: int, running: int, slots: int | None = None):
+    def second_turn(config: RoutingConfig, ceiling: int, running: int):
         home, decision, queued, _, drain = _second_turn_after_two_scrapes(
             config,
             dict(running=ceiling, waiting=5, kv_usage=0.3),
             dict(running=running, waiting=5, kv_usage=0.3, prefill_window=(1e3, 1, 0.1)),
-            [e.model_copy(update={"batch_slots": slots}) for e in ENDPOINTS],
         )
         return home, decision, queued, drain
 
@@ -514,19 +507,10 @@ def test_requests_waiting_for_a_batch_slot_are_priced_like_those_waiting_for_mem
     for other_config, ceiling, running in ((config, 128, 64), (config, 16, 16), (off, 128, 128)):
         home, stay, queued, _ = second_turn(other_config, ceiling, running)
         assert stay.endpoint == home and queued == 0
-    # A server with few slots: the operator lowers the floor, or configures its batch_slots,
-    # and it counts.
+    # A server configured with few slots: the operator lowers the floor, and it counts.
     few_slots = config.model_copy(update={"slot_ceiling_min": 16})
     home, moved, _, _ = second_turn(few_slots, ceiling=16, running=16)
     assert moved.endpoint != home and moved.rule == RULE_LOAD_GUARD
-    home, moved, queued, _ = second_turn(config, ceiling=16, running=16, slots=16)
-    assert moved.endpoint != home and queued == pytest.approx(5 / 0.5 * drain, rel=0.01)
-    every_16 = config.model_copy(update={"default_batch_slots": 16})
-    home, moved, _, _ = second_turn(every_16, ceiling=16, running=16)
-    assert moved.endpoint != home and moved.rule == RULE_LOAD_GUARD
-    # Configured slots are the limit, not the most seen running (a burst below the limit).
-    home, stay, queued, _ = second_turn(config, ceiling=128, running=128, slots=256)
-    assert stay.endpoint == home and queued == 0
 
 
 def test_reported_load_from_other_routers_counts_in_the_guard():
