@@ -722,7 +722,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prefix-words", type=int, default=g.prefix_words)
     parser.add_argument("--kv-blocks", type=int, default=None, help="vLLM KV blocks per server")
     parser.add_argument(
-        "--max-num-seqs", type=int, default=16, help="vLLM batch slots per server (max_num_seqs)"
+        "--max-num-seqs",
+        type=_slot_counts,
+        default=[16],
+        help="vLLM batch slots (max_num_seqs): one count for every server, or a comma list "
+        "with one per server, e.g. 4,16",
     )
     parser.add_argument("--seed", type=int, default=7)
     parser.add_argument("--run-timeout", type=float, default=300.0, help="limit per run (s)")
@@ -730,6 +734,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--plot", help="write a PNG here")
     parser.add_argument("--markdown", help="write the tables as Markdown here")
     parser.add_argument("--logs", help="keep every process log in this directory")
+
+
+def _slot_counts(spec: str) -> list[int]:
+    try:
+        counts = [int(part) for part in spec.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a comma list of integers: {spec!r}") from None
+    if any(count < 1 for count in counts):
+        raise argparse.ArgumentTypeError(f"batch slots must be at least 1: {spec!r}")
+    return counts
 
 
 def _split(spec: str, allowed: Sequence[str], what: str) -> list[str]:
@@ -756,6 +770,10 @@ def run(args: argparse.Namespace) -> int:
     lab.sigterm_as_interrupt()  # Ctrl-C or SIGTERM: every server and router is stopped
     runs = _split(args.runs, RUNS + EXTRA_RUNS, "runs")
     kinds = _split(args.workloads, WORKLOADS, "workloads")
+    try:
+        slots = lab.per_server(args.max_num_seqs, args.replicas, "--max-num-seqs")
+    except ValueError as error:
+        raise SystemExit(str(error)) from None
     chat = ChatWorkload(
         conversations=args.conversations,
         turns=args.turns,
@@ -795,7 +813,7 @@ def run(args: argparse.Namespace) -> int:
             kv_blocks=args.kv_blocks,
             extra_args=vllm_extra,
             access_log=True,
-            max_num_seqs=args.max_num_seqs,
+            max_num_seqs=slots,
         ) as servers:
             addresses = [s.address for s in servers]
             warm_up(addresses, lab.SERVED_MODEL_NAME)
@@ -830,7 +848,7 @@ def run(args: argparse.Namespace) -> int:
         "chat_workload": asdict(chat),
         "group_workload": asdict(groups),
         "kv_blocks": args.kv_blocks,
-        "max_num_seqs": args.max_num_seqs,
+        "max_num_seqs": slots[0] if len(set(slots)) == 1 else slots,
         "wall_seconds": round(time.monotonic() - started, 1),
         "results": results,
     }

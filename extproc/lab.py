@@ -523,6 +523,18 @@ def stop_all(servers: Sequence[Server]) -> None:
             server.stop()
 
 
+def per_server(value: int | Sequence[int], count: int, name: str) -> list[int]:
+    """One value for each of ``count`` servers: a single value for all, or exactly one each."""
+    if isinstance(value, int):
+        return [value] * count
+    values = list(value)
+    if len(values) == 1:
+        return values * count
+    if len(values) != count:
+        raise ValueError(f"{name}: {len(values)} values for {count} servers")
+    return values
+
+
 @contextlib.contextmanager
 def vllm_servers(
     count: int,
@@ -532,9 +544,14 @@ def vllm_servers(
     timeout: float = 420.0,
     quiet: bool = False,
     access_log: bool = False,
-    max_num_seqs: int = 16,
+    max_num_seqs: int | Sequence[int] = 16,
 ) -> Iterator[list[Server]]:
-    """Prepare vLLM and the model if needed, start ``count`` servers, yield them, stop them."""
+    """Prepare vLLM and the model if needed, start ``count`` servers, yield them, stop them.
+
+    ``max_num_seqs`` is every server's batch slots, or one count per server (so a run can
+    have one server out of slots while another has room).
+    """
+    slots = per_server(max_num_seqs, count, "max_num_seqs")
     python = ensure_vllm_env(quiet=quiet)
     model_dir = ensure_model(python, quiet=quiet)
     servers: list[Server] = []
@@ -550,7 +567,7 @@ def vllm_servers(
                     kv_blocks=kv_blocks,
                     extra_args=extra_args,
                     access_log=access_log,
-                    max_num_seqs=max_num_seqs,
+                    max_num_seqs=slots[i],
                 )
             )
         wait_healthy(servers, timeout=timeout, quiet=quiet)

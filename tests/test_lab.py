@@ -26,6 +26,24 @@ def test_vllm_command_is_loopback_with_the_cpu_flags(tmp_path: Path) -> None:
         lab.vllm_command(Path("/py"), tmp_path, 8123, kv_blocks=100)  # 3,200 < 4,096 tokens
 
 
+def test_batch_slots_are_one_count_for_all_servers_or_one_each() -> None:
+    """A live run can give servers different slot counts (one out of slots, one with room)."""
+    parser = argparse.ArgumentParser()
+    bench_live.add_arguments(parser)
+    assert parser.parse_args([]).max_num_seqs == [16]
+    assert parser.parse_args(["--max-num-seqs", "4,16"]).max_num_seqs == [4, 16]
+    for bad in ("4,x", "0", "4,-1"):
+        with pytest.raises(SystemExit):
+            parser.parse_args(["--max-num-seqs", bad])
+    assert lab.per_server(4, 3, "slots") == [4, 4, 4]
+    assert lab.per_server([8], 2, "slots") == [8, 8]
+    assert lab.per_server([4, 16], 2, "slots") == [4, 16]
+    with pytest.raises(ValueError, match="slots: 2 values for 3 servers"):
+        lab.per_server([4, 16], 3, "slots")
+    args = lab.vllm_command(Path("/py"), Path("/m"), 8123, max_num_seqs=4)
+    assert args[args.index("--max-num-seqs") + 1] == "4"
+
+
 def test_each_replica_gets_its_own_core() -> None:
     cores = sorted(os.sched_getaffinity(0))
     assert [lab.core_for(i) for i in range(len(cores))] == [str(c) for c in cores]
