@@ -106,7 +106,14 @@ class RouterMetrics:
             ("router", "endpoint"),
             "liveall",
         )
-        self._own_work_exported: set[str] = set()
+        self.own_placed_work = gauge(
+            "prefix_router_own_placed_work",
+            "Prefill work of the cold starts this router replica placed on each endpoint "
+            "lately (token-equivalents, decaying): what its peers balance new sessions by",
+            ("router", "endpoint"),
+            "liveall",
+        )
+        self._own_exported: set[str] = set()
         self.peer_placements = counter(
             "prefix_router_peer_placements",
             "Placements read from peer router replicas into this one's index (peers config)",
@@ -193,16 +200,18 @@ class RouterMetrics:
         for address, work in router.queued_work().items():
             self.queued_work.labels(address).set(work)
         self.prefill_rate.set(router.prefill_rate)
-        own = router.own_queued_work()
+        own, placed = router.own_queued_work(), router.own_placed_work()
         for address, work in own.items():
             self.own_queued_work.labels(router.instance, address).set(work)
-        # A removed endpoint's last figure must not stay exported: peers would count it,
-        # undrained, for as long as they read it (e.g. after the address comes back).
-        for address in self._own_work_exported - own.keys():
-            # Zero first: with --workers the value lives on in the worker's mmap file.
-            self.own_queued_work.labels(router.instance, address).set(0.0)
-            self.own_queued_work.remove(router.instance, address)
-        self._own_work_exported = set(own)
+            self.own_placed_work.labels(router.instance, address).set(placed[address])
+        # A removed endpoint's last figures must not stay exported: peers would count them,
+        # undrained, for as long as they read them (e.g. after the address comes back).
+        for address in self._own_exported - own.keys():
+            for gauge_ in (self.own_queued_work, self.own_placed_work):
+                # Zero first: with --workers the value lives on in the worker's mmap file.
+                gauge_.labels(router.instance, address).set(0.0)
+                gauge_.remove(router.instance, address)
+        self._own_exported = set(own)
         self.peers.set(len(router.peers()))
         self.traffic_share.set(router.traffic_share)
         self.cold_margin.set(router.cold_margin)

@@ -1,13 +1,16 @@
 """Read the other router replicas' own queued work and placements from their admin port.
 
 Each replica exports the prefill work it sent each endpoint and still counts as queued
-(``prefix_router_own_queued_work{router, endpoint}`` on /metrics, refreshed every second).
+(``prefix_router_own_queued_work{router, endpoint}`` on /metrics, refreshed every second),
+and the prefill work of the cold starts it placed lately (``prefix_router_own_placed_work``).
 Reading the others' makes a long prefill that one replica sent visible to all of them within
 about ``interval_seconds`` + 1 s; without it each sees only its own charges and the endpoints'
 waiting counts (docs/benchmarks.md: K=4 Mooncake p99 several times K=1's). With
 ``share_placements`` each also reads the placements the others made since its last read
 (``/peer/placements``, placements.py) into its index, so a conversation another replica
-started is found where it was placed. Peers come from a static list of admin addresses
+started is found where it was placed, and the others' placed work, so that new sessions
+balance over what all of them placed (as one router's do) instead of following the
+rendezvous order alone. Peers come from a static list of admin addresses
 and/or a DNS name (a headless Service) resolved every round; this replica's own figures
 (same ``router`` label) are skipped, its sibling worker processes' are not. A peer that does
 not answer is skipped until it does; its last report drains away.
@@ -31,6 +34,7 @@ from .poller import EndpointPoller, fetch_parsed
 log = logging.getLogger(__name__)
 
 OWN_WORK_METRIC = "prefix_router_own_queued_work"
+OWN_PLACED_METRIC = "prefix_router_own_placed_work"
 # Peers' placements go into the index in slices of about this many blocks, the event loop
 # free in between: recording costs ~0.5 us a block plus ~20 us a placement, and a decision
 # must not wait for a whole second's worth (a slice: 1.5-2.6 ms here, `bench core
@@ -53,17 +57,31 @@ def placement_slices(
             start, count = end, 0
 
 
-def parse_peer_work(text: str) -> PeerWork:
-    """Every router instance's own queued work per endpoint in one /metrics page."""
-    out: PeerWork = {}
+@dataclass(frozen=True, slots=True)
+class PeerFigures:
+    """What one /metrics page says of each router instance, per endpoint."""
+
+    work: PeerWork  # its own queued prefill work
+    placed: PeerWork  # the prefill work of the cold starts it placed lately (decaying)
+
+
+def parse_peer_figures(text: str) -> PeerFigures:
+    """Every router instance's own queued and placed work per endpoint in one /metrics page."""
+    out: dict[str, PeerWork] = {OWN_WORK_METRIC: {}, OWN_PLACED_METRIC: {}}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
-            if sample.name != OWN_WORK_METRIC:
+            figures = out.get(sample.name)
+            if figures is None:
                 continue
             router, endpoint = sample.labels.get("router"), sample.labels.get("endpoint")
             if router and endpoint:
-                out.setdefault(router, {})[endpoint] = float(sample.value)
-    return out
+                figures.setdefault(router, {})[endpoint] = float(sample.value)
+    return PeerFigures(out[OWN_WORK_METRIC], out[OWN_PLACED_METRIC])
+
+
+def parse_peer_work(text: str) -> PeerWork:
+    """Every router instance's own queued work per endpoint in one /metrics page."""
+    return parse_peer_figures(text).work
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,6 +89,8 @@ class PeerAnswer:
     work: PeerWork | None  # None: /metrics did not answer (or not in the format)
     # From /peer/placements; None when not read or not answered.
     placements: PlacementAnswer | None = None
+    # Each router instance's placed cold-start work (same page as ``work``); None with it.
+    placed: PeerWork | None = None
 
 
 class PeerReader(EndpointPoller[PeerAnswer]):
@@ -82,9 +102,12 @@ class PeerReader(EndpointPoller[PeerAnswer]):
         on_work: Callable[[str, dict[str, float]], None],
         on_placements: Callable[[list[Placement]], None] | None = None,
         scheme: str = "",
+        on_placed: Callable[[str, dict[str, float]], None] | None = None,
     ) -> None:
         """``on_placements`` gets the placements of peers whose hashes are made as
-        ``scheme`` says (placements.hash_scheme); others are skipped, with a warning."""
+        ``scheme`` says (placements.hash_scheme); others are skipped, with a warning.
+        ``on_placed`` gets each router instance's placed cold-start work (with placements
+        shared, cold starts balance over all the replicas' placements)."""
         # The addresses of this round: the static list plus what dns_name resolved to.
         self._addresses_now: list[str] = list(config.addresses)
         super().__init__(
@@ -93,6 +116,7 @@ class PeerReader(EndpointPoller[PeerAnswer]):
         self.config = config
         self._on_work = on_work
         self._on_placements = on_placements
+        self._on_placed = on_placed
         self._scheme = scheme
         self._foreign: set[str] = set()  # peers warned about for another hash scheme
         self._answering: dict[str, bool] = {}
@@ -119,12 +143,15 @@ class PeerReader(EndpointPoller[PeerAnswer]):
             await asyncio.sleep(0)
 
     async def poll(self, session: aiohttp.ClientSession, address: str) -> PeerAnswer:
-        work = await fetch_parsed(session, f"http://{address}/metrics", parse_peer_work)
-        if work is None or self._on_placements is None:
-            return PeerAnswer(work)
+        figures = await fetch_parsed(session, f"http://{address}/metrics", parse_peer_figures)
+        if figures is None:
+            return PeerAnswer(None)
+        if self._on_placements is None:
+            return PeerAnswer(figures.work, placed=figures.placed)
         log_id, last = self._seen.get(address, ("", 0))
         url = f"http://{address}{PLACEMENTS_PATH}?after={last}&log={log_id}"
-        return PeerAnswer(work, await fetch_parsed(session, url, decode, MAX_ANSWER_BYTES))
+        placements = await fetch_parsed(session, url, decode, MAX_ANSWER_BYTES)
+        return PeerAnswer(figures.work, placements, figures.placed)
 
     def record(self, address: str, result: PeerAnswer) -> None:
         answering = result.work is not None
@@ -138,6 +165,9 @@ class PeerReader(EndpointPoller[PeerAnswer]):
             self._answering[address] = answering
         for router, work in (result.work or {}).items():
             self._on_work(router, work)
+        if self._on_placed is not None:
+            for router, placed in (result.placed or {}).items():
+                self._on_placed(router, placed)
         answer = result.placements
         if answer is None or self._on_placements is None:
             return

@@ -115,6 +115,9 @@ class EndpointTable:
     # None = cold starts do not balance them (balance_cold_starts off, or router replicas
     # that must agree on rendezvous picks).
     placed: np.ndarray | None = None
+    # 0: balance over every endpoint (at most the mean placed work); n: the lighter of the
+    # key's n first rendezvous picks within the margin (router replicas sharing placements).
+    placed_choices: int = 0
     rows: np.ndarray | None = None
 
     def __len__(self) -> int:
@@ -410,7 +413,7 @@ class Scheduler:
             limit = float(work[eligible].min()) + model.cold_margin * model.prefill(n, 0)
             score = (work <= limit).astype(np.float64)
             if table.placed is not None:
-                score = 3.0 * score + self._balance(table, eligible, key)
+                score = 3.0 * score + self._balance(table, eligible, score > 0, key, rendezvous)
             order = np.lexsort((~rendezvous, -score, ~eligible))
             chosen = int(order[0])
             if cfg.balance_cold_starts:
@@ -432,19 +435,37 @@ class Scheduler:
             ranking=_Ranking(table, cap, eligible, score, cost, order),
         )
 
-    def _balance(self, table: EndpointTable, eligible: np.ndarray, key: int) -> np.ndarray:
+    def _balance(
+        self,
+        table: EndpointTable,
+        eligible: np.ndarray,
+        within: np.ndarray,
+        key: int,
+        rendezvous: np.ndarray,
+    ) -> np.ndarray:
         """Rule 3's preference after the queued-work margin, for a router that places (nearly)
         all the traffic: the endpoint this key was placed on before (2), else every endpoint
         whose placed work is at most the eligible mean (1); the rendezvous order decides
         among equals. The rendezvous order alone spreads few groups unevenly (64 groups over 8
         replicas: 277 to 665 requests each, max/mean 1.17-1.39, against SGLang's 1.04 for
         placing each new group on its least-filled replica); each replica's share of the
-        groups, not its queue, then sets its tail (docs/benchmarks.md)."""
+        groups, not its queue, then sets its tail (docs/benchmarks.md). With
+        ``placed_choices`` n (router replicas sharing placements): the lighter of the key's
+        n first rendezvous picks among the eligible within the margin (1), so that replicas
+        whose views of the placed work differ a little still pick alike."""
         placed = table.placed
         assert placed is not None
         home = self.homes.get(key)
         if home is not None and table.address_hash is not None:
             return (table.address_hash == np.uint64(home)).astype(np.float64) * 2.0
+        if table.placed_choices:
+            candidates = np.flatnonzero(eligible & within)
+            first = candidates[np.argsort(~rendezvous[candidates], kind="stable")]
+            first = first[: table.placed_choices]
+            preferred = np.zeros(len(placed))
+            if len(first):
+                preferred[first[int(np.argmin(placed[first]))]] = 1.0
+            return preferred
         fair = float(placed[eligible].sum()) / max(1, int(eligible.sum()))
         return (placed <= fair + 1e-9).astype(np.float64)
 

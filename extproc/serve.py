@@ -128,6 +128,7 @@ class RouterService:
             self.router.observe_peer_work,
             self._on_peer_placements if sharing else None,
             scheme=scheme,
+            on_placed=self.router.observe_peer_placed if sharing else None,
         )
         if sharing:
             self.router.placements = PlacementLog(scheme)

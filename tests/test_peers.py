@@ -17,7 +17,7 @@ from extproc.config import (
     load_config,
 )
 from extproc.metrics import RouterMetrics
-from extproc.peers import PeerReader, parse_peer_work
+from extproc.peers import PeerReader, parse_peer_figures, parse_peer_work
 from extproc.prompt import parse_request
 from extproc.router import Router
 from extproc.serve import siblings_as_peers
@@ -39,6 +39,11 @@ def test_the_exported_gauge_reads_back_as_each_routers_own_work():
     assert decision.work > 0
     assert work[router.instance][decision.endpoint] == pytest.approx(decision.work)
     assert sum(work[router.instance].values()) == pytest.approx(decision.work)
+    # And the cold starts' placed work, which peers that share placements balance by.
+    router.observe_peer_placed("another", {ENDPOINTS[1].address: 7.0})  # not re-exported
+    placed = parse_peer_figures(generate_latest(registry).decode()).placed
+    assert decision.cold_start and placed == {router.instance: router.own_placed_work()}
+    assert placed[router.instance][decision.endpoint] == pytest.approx(decision.work)
 
 
 def test_peers_config_is_validated_with_the_field_named(tmp_path):
@@ -69,8 +74,9 @@ def test_a_removed_endpoint_is_no_longer_exported_to_peers():
     }
     router.set_endpoints(ENDPOINTS[:2])
     metrics.refresh(router)
-    exported = parse_peer_work(generate_latest(registry).decode())[router.instance]
-    assert set(exported) == {e.address for e in ENDPOINTS[:2]}
+    figures = parse_peer_figures(generate_latest(registry).decode())
+    assert set(figures.work[router.instance]) == {e.address for e in ENDPOINTS[:2]}
+    assert set(figures.placed[router.instance]) == {e.address for e in ENDPOINTS[:2]}
 
 
 async def test_the_reader_counts_answering_peers_and_skips_broken_or_dead_ones():
@@ -82,6 +88,8 @@ async def test_the_reader_counts_answering_peers_and_skips_broken_or_dead_ones()
             'prefix_router_own_queued_work{router="r1",endpoint="10.0.0.1:8000"} 5000.0',
             'prefix_router_own_queued_work{router="r1",endpoint="10.0.0.2:8000"} 0.0',
             'prefix_router_own_queued_work{router="me",endpoint="10.0.0.1:8000"} 9.0',
+            "# TYPE prefix_router_own_placed_work gauge",
+            'prefix_router_own_placed_work{router="r1",endpoint="10.0.0.1:8000"} 300.0',
         ]
     )
     pages = {"good": (200, good), "garbage": (200, "{not prometheus"), "error": (500, "")}
@@ -99,7 +107,12 @@ async def test_the_reader_counts_answering_peers_and_skips_broken_or_dead_ones()
     port = site._server.sockets[0].getsockname()[1]
     heard: list[tuple[str, dict[str, float]]] = []
     config = PeersConfig(addresses=(f"127.0.0.1:{free_port()}",), timeout_seconds=1.0)
-    reader = PeerReader(config, lambda router, work: heard.append((router, work)))
+    placed: list[tuple[str, dict[str, float]]] = []
+    reader = PeerReader(
+        config,
+        lambda router, work: heard.append((router, work)),
+        on_placed=lambda router, work: placed.append((router, work)),
+    )
     # The path prefix stands in for three peers on one test server (and one dead address).
     reader._addresses_now = [f"127.0.0.1:{port}/{name}" for name in pages]
     try:
@@ -116,6 +129,7 @@ async def test_the_reader_counts_answering_peers_and_skips_broken_or_dead_ones()
         ("me", {"10.0.0.1:8000": 9.0}),
         ("r1", {"10.0.0.1:8000": 5000.0, "10.0.0.2:8000": 0.0}),
     ]
+    assert placed == [("r1", {"10.0.0.1:8000": 300.0})]
     # The router skips its own figures (its instance name), which the reader passes on.
     router = Router(RoutingConfig(), ENDPOINTS, clock=lambda: 0.0)
     router.instance = "me"

@@ -8,6 +8,7 @@ import orjson
 import pytest
 
 from extproc.config import EndpointConfig, RoutingConfig
+from extproc.placements import PlacementLog
 from extproc.prompt import parse_request
 from extproc.router import Router
 from extproc.scheduler import (
@@ -939,6 +940,58 @@ def test_a_router_alone_balances_its_cold_starts_and_replicas_keep_the_rendezvou
     assert max(balanced.values()) <= 8 and min(balanced.values()) >= 6, balanced  # 7 is even
     assert max(rendezvous.values()) >= 10, rendezvous
     assert placed(4.0) == rendezvous
+
+
+def _router_replicas_place(count: int, share_placed: bool, **routing) -> Counter:
+    """Four router replicas sharing placements (peers) each take every fourth of ``count``
+    new conversations; after every four they read each other's placements and, with
+    ``share_placed``, each other's placed cold-start work (a peer read)."""
+    routers = [Router(RoutingConfig(**routing), EIGHT) for _ in range(4)]
+    for router in routers:
+        router.placements = PlacementLog()
+    placed: Counter = Counter()
+    for i in range(count):
+        router = routers[i % 4]
+        decision = router.route(chat(f"conversation {i} " * 40, system="Be brief."))
+        assert decision.cold_start
+        placed[decision.endpoint] += 1
+        router.finish(decision)
+        if i % 4 == 3:
+            for reader in routers:
+                for peer in routers:
+                    if peer is not reader:
+                        assert peer.placements is not None
+                        reader.observe_peer_placements(peer.placements.after(0))
+                        if share_placed:
+                            reader.observe_peer_placed(peer.instance, peer.own_placed_work())
+    return placed
+
+
+def test_router_replicas_sharing_placements_balance_cold_starts_over_all_of_theirs():
+    """Each of four replicas sends a quarter of the traffic, so on its own it keeps the
+    rendezvous pick; reading the others' placed work, it balances what all of them placed,
+    as one router does. Without that figure (an older peer), or with the balance off, they
+    keep the rendezvous order (14 of 56 on one endpoint, 7 is even)."""
+    shared = _router_replicas_place(56, share_placed=True)
+    rendezvous = _router_replicas_place(56, share_placed=False)
+    assert max(shared.values()) <= 9 and min(shared.values()) >= 5, shared
+    assert max(rendezvous.values()) >= 12, rendezvous
+    assert _router_replicas_place(56, True, balance_cold_starts=False) == rendezvous
+
+
+def test_peers_placed_work_counts_while_fresh_and_not_for_unknown_endpoints():
+    clock = Clock()
+    router = Router(RoutingConfig(), EIGHT, clock=clock)
+    router.placements = PlacementLog()
+    busy = EIGHT[0].address
+    router.observe_peer_placed(router.instance, {busy: 1e9})  # its own: skipped
+    assert router._placed_view(np.arange(8), clock.now) == (None, 0)
+    router.observe_peer_placed("peer-a", {busy: 5000.0, "10.9.9.9:8000": 7.0})
+    placed, choices = router._placed_view(np.arange(8), clock.now)
+    assert placed is not None and placed.tolist() == [5000.0] + [0.0] * 7 and choices == 2
+    clock.now += 31.0  # a silent peer stops counting: the router is on its own again
+    assert router._placed_view(np.arange(8), clock.now) == (None, 0)
+    assert router.own_placed_work() == dict.fromkeys((e.address for e in EIGHT), 0.0)
 
 
 def test_a_balanced_cold_start_sends_a_key_back_to_where_it_placed_it():

@@ -424,6 +424,9 @@ class OursPolicy:
                     log = peer.router.placements
                     assert log is not None
                     self.router.observe_peer_placements(log.after(self.peer_seen.get(log.id, 0)))
+                    self.router.observe_peer_placed(
+                        peer.router.instance, peer.router.own_placed_work()
+                    )
                     self.peer_seen[log.id] = log.last
             self.next_peer_poll = now + self.peer_every
         decision = self.router.route(self.prompts.request(request))

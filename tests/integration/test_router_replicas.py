@@ -186,6 +186,50 @@ def test_a_router_finds_the_conversations_another_router_placed(tmp_path):
         assert response.headers["x-gateway-destination-endpoint-served"] == y
 
 
+def _own_placed_work(admin_port: int, endpoint: str) -> float:
+    metrics = samples(admin_port)
+    return sum(
+        v
+        for (name, labels), v in metrics.items()
+        if name == "prefix_router_own_placed_work" and dict(labels)["endpoint"] == endpoint
+    )
+
+
+def test_router_replicas_balance_new_conversations_over_each_others_placements(tmp_path):
+    """Router A (which knows only replica X) starts four long conversations there; router B,
+    reading A's placed cold-start work (peers), sends new conversations whose rendezvous pick
+    is X to Y, which no router has placed anything on. B sends a quarter of the traffic or
+    less, so without its peers' figures it would keep the rendezvous pick, X (as in the test
+    above, where A's figures are not yet there)."""
+    with Stack(workdir=tmp_path) as stack:
+        x, y = stack.start_replicas(2, FAST)
+        args = [*ROUTER_ARGS, "--set", "peers.interval_seconds=0.2"]
+        envoy_ports = stack.start_peer_routers({"router-a": [x], "router-b": [x, y]}, args)
+        admin = stack.router_admin_ports
+        for i in range(4):
+            body = chat_body(f"a long conversation {i} of router A " * 100, system=f"A{i}.")
+            response = request(envoy_ports["router-a"], body)
+            assert response.status == 200
+            assert response.headers["x-gateway-destination-endpoint-served"] == x
+        deadline = time.monotonic() + 10
+        while _own_placed_work(admin["router-a"], x) <= 0:
+            assert time.monotonic() < deadline, "router A never exported its placed work"
+            time.sleep(0.1)
+        time.sleep(1.0)  # five of B's reads (every 0.2 s) of A's /metrics
+        bodies = []
+        for i in range(40):
+            body = chat_body(f"a short conversation {i} " * 5, system=f"Be brief, {i}.")
+            if rendezvous_pick(body, (x, y)) == x:
+                bodies.append(body)
+            if len(bodies) == 3:
+                break
+        assert len(bodies) == 3
+        for body in bodies:
+            response = request(envoy_ports["router-b"], body)
+            assert response.status == 200
+            assert response.headers["x-gateway-destination-endpoint-served"] == y
+
+
 def _decided_endpoint(admin_port: int) -> str:
     url = f"http://{LOOPBACK}:{admin_port}/metrics"
     deadline = time.monotonic() + 10
