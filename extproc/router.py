@@ -666,10 +666,9 @@ class Router:
 
         A router known to place (nearly) all the traffic balances its own placements over
         every endpoint. Router replicas that share placements with peers balance the sum of
-        everyone's, between the key's two first picks: their views differ by the last
-        second's placements, and a choice of two keeps them agreeing where a new session's
-        requests reach several of them at once (simulated K=4 grid with ``peers``: tails
-        shorter in 26 of 30 cells against 23 for the mean rule, docs/benchmarks.md item 20).
+        everyone's, between the key's two first picks and only past a margin: their views
+        differ by the last second's placements, and this keeps them agreeing where a new
+        session's requests reach several of them at once (docs/benchmarks.md item 20).
         Other router replicas must make the same rendezvous pick for a conversation's turns
         to meet, and a balance, which depends on what each of them placed, would part them."""
         if not self.config.balance_cold_starts:

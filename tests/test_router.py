@@ -979,6 +979,39 @@ def test_router_replicas_sharing_placements_balance_cold_starts_over_all_of_thei
     assert _router_replicas_place(56, True, balance_cold_starts=False) == rendezvous
 
 
+def test_router_replicas_leave_a_rendezvous_pick_only_past_the_margin():
+    """With peers' placed work (placed_choices 2) a new session goes to its second rendezvous
+    pick only when the first has placed more than SHARED_BALANCE_MARGIN of its cold prefills
+    beyond it: a second's placements, which the replicas do not yet share, must not part them."""
+    addresses = [e.address for e in EIGHT]
+
+    def pick(placed: list[float]) -> str:
+        table = EndpointTable(
+            addresses=addresses,
+            load=np.zeros(8),
+            work=np.zeros(8),
+            matched=np.zeros(8, dtype=np.int64),
+            address_hash=np.array([address_hash(a) for a in addresses], dtype=np.uint64),
+            placed=np.array(placed),
+            placed_choices=2,
+        )
+        return Scheduler(RoutingConfig()).pick(table, 8, key=42, prompt_tokens=500).endpoint
+
+    first = pick([0.0] * 8)
+    cold = Scheduler(RoutingConfig()).cost.prefill(500, 0)
+    heavier = [0.0] * 8
+    heavier[addresses.index(first)] = 1.9 * cold  # within the margin: stays
+    assert pick(heavier) == first
+    heavier[addresses.index(first)] = 2.1 * cold  # past it: the second pick
+    second = pick(heavier)
+    assert second != first
+    # The second rendezvous pick, not the lightest endpoint: all others are lighter still.
+    everywhere = [0.1 * cold] * 8
+    everywhere[addresses.index(first)] = 2.2 * cold
+    everywhere[addresses.index(second)] = 0.15 * cold
+    assert pick(everywhere) == second
+
+
 def test_peers_placed_work_counts_while_fresh_and_not_for_unknown_endpoints():
     clock = Clock()
     router = Router(RoutingConfig(), EIGHT, clock=clock)
