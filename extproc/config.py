@@ -233,8 +233,8 @@ class RoutingConfig(_Strict):
         description="a router that sends at least balance_min_share of what the endpoints "
         "serve places cold starts on endpoints whose recent cold starts (prefill work) are "
         "at most the mean, and sends a placement key back where it placed it; router "
-        "replicas sharing placements (peers) take the lighter of a key's two rendezvous "
-        "picks by all of their cold starts",
+        "replicas sharing placements (peers) take a key's second rendezvous pick when, by "
+        "all of their cold starts, the first has two of its cold prefills more",
     )
     balance_min_share: float = Field(
         default=0.9,
