@@ -390,6 +390,28 @@ class Router:
         own = self._own(np.arange(len(self._addresses)), now)
         return dict(zip(self._addresses, own.tolist(), strict=True))
 
+    def _sum_reports(
+        self,
+        reports: dict[str, tuple[dict[str, float], float]],
+        peer: str,
+        figures: Mapping[str, float],
+        now: float,
+        drain_rate: float = 0.0,
+    ) -> np.ndarray:
+        """Keep ``peer``'s report in ``reports``, drop those older than PEER_FORGET_SECONDS,
+        and sum them per endpoint, each drained at ``drain_rate`` since it came (0: kept)."""
+        reports[peer] = (dict(figures), now)
+        for stale in [p for p, (_, at) in reports.items() if now - at > PEER_FORGET_SECONDS]:
+            del reports[stale]
+        total = np.zeros(len(self._addresses))
+        for report, at in reports.values():
+            left = drain_rate * (now - at)
+            for address, amount in report.items():
+                i = self._position.get(address)
+                if i is not None:
+                    total[i] += max(0.0, amount - left) if drain_rate > 0 else amount
+        return total
+
     def own_placed_work(self) -> dict[str, float]:
         """The prefill work of the cold starts this router placed on each endpoint lately
         (decaying; what it tells its peers, who balance new sessions by it)."""
@@ -403,18 +425,7 @@ class Router:
         if peer == self.instance:
             return
         now = self.clock()
-        self._peer_placed[peer] = (dict(placed), now)
-        for stale in [
-            p for p, (_, at) in self._peer_placed.items() if now - at > PEER_FORGET_SECONDS
-        ]:
-            del self._peer_placed[stale]
-        total = np.zeros(len(self._addresses))
-        for report, _ in self._peer_placed.values():
-            for address, amount in report.items():
-                i = self._position.get(address)
-                if i is not None:
-                    total[i] += amount
-        self._peer_placed_total = total
+        self._peer_placed_total = self._sum_reports(self._peer_placed, peer, placed, now)
         self._peer_placed_until = now + PEER_FORGET_SECONDS
 
     def observe_peer_work(self, peer: str, work: Mapping[str, float]) -> None:
@@ -426,18 +437,8 @@ class Router:
         if peer == self.instance:
             return
         now = self.clock()
-        self._peer_reports[peer] = (dict(work), now)
-        for stale in [
-            p for p, (_, at) in self._peer_reports.items() if now - at > PEER_FORGET_SECONDS
-        ]:
-            del self._peer_reports[stale]
         rate = self.cost.drain_per_second
-        total = np.zeros(len(self._addresses))
-        for report, at in self._peer_reports.values():
-            for address, amount in report.items():
-                i = self._position.get(address)
-                if i is not None:
-                    total[i] += max(0.0, amount - rate * (now - at)) if rate > 0 else amount
+        total = self._sum_reports(self._peer_reports, peer, work, now, rate)
         self._peer_work.set_all(total, now, rate)
 
     def peers(self) -> list[str]:

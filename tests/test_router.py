@@ -942,6 +942,20 @@ def test_a_router_alone_balances_its_cold_starts_and_replicas_keep_the_rendezvou
     assert placed(4.0) == rendezvous
 
 
+def _idle_table_with_placed(placed: list[float], placed_choices: int = 0) -> EndpointTable:
+    """EIGHT with nothing queued or held anywhere and this placed cold-start work."""
+    addresses = [e.address for e in EIGHT]
+    return EndpointTable(
+        addresses=addresses,
+        load=np.zeros(8),
+        work=np.zeros(8),
+        matched=np.zeros(8, dtype=np.int64),
+        address_hash=np.array([address_hash(a) for a in addresses], dtype=np.uint64),
+        placed=np.array(placed),
+        placed_choices=placed_choices,
+    )
+
+
 def _router_replicas_place(count: int, share_placed: bool, **routing) -> Counter:
     """Four router replicas sharing placements (peers) each take every fourth of ``count``
     new conversations; after every four they read each other's placements and, with
@@ -986,15 +1000,7 @@ def test_router_replicas_leave_a_rendezvous_pick_only_past_the_margin():
     addresses = [e.address for e in EIGHT]
 
     def pick(placed: list[float]) -> str:
-        table = EndpointTable(
-            addresses=addresses,
-            load=np.zeros(8),
-            work=np.zeros(8),
-            matched=np.zeros(8, dtype=np.int64),
-            address_hash=np.array([address_hash(a) for a in addresses], dtype=np.uint64),
-            placed=np.array(placed),
-            placed_choices=2,
-        )
+        table = _idle_table_with_placed(placed, placed_choices=2)
         return Scheduler(RoutingConfig()).pick(table, 8, key=42, prompt_tokens=500).endpoint
 
     first = pick([0.0] * 8)
@@ -1031,16 +1037,7 @@ def test_a_balanced_cold_start_sends_a_key_back_to_where_it_placed_it():
     """A key cold-started again (its prefix evicted) returns to its endpoint, even when that one
     has had the most placements since: the balance alone would look elsewhere."""
     addresses = [e.address for e in EIGHT]
-
-    def table(placed: list[float]):
-        return EndpointTable(
-            addresses=addresses,
-            load=np.zeros(8),
-            work=np.zeros(8),
-            matched=np.zeros(8, dtype=np.int64),
-            address_hash=np.array([address_hash(a) for a in addresses], dtype=np.uint64),
-            placed=np.array(placed),
-        )
+    table = _idle_table_with_placed
 
     scheduler = Scheduler(RoutingConfig())
     even = [1000.0] * 8
