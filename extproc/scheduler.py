@@ -121,8 +121,9 @@ class EndpointTable:
     # None = cold starts do not balance them (balance_cold_starts off, or router replicas
     # that must agree on rendezvous picks).
     placed: np.ndarray | None = None
-    # 0: balance over every endpoint (at most the mean placed work); n: the lighter of the
-    # key's n first rendezvous picks within the margin (router replicas sharing placements).
+    # 0: balance over every endpoint (at most the mean placed work); n: among the key's n
+    # first rendezvous picks within the margin, the first unless another has less placed
+    # work by SHARED_BALANCE_MARGIN cold prefills (router replicas sharing placements).
     placed_choices: int = 0
     rows: np.ndarray | None = None
 
