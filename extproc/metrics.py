@@ -113,6 +113,14 @@ class RouterMetrics:
             ("router", "endpoint"),
             "liveall",
         )
+        self.peer_placed_work = gauge(
+            "prefix_router_peer_placed_work",
+            "Prefill work of the cold starts peer router replicas report placing on each "
+            "endpoint lately (token-equivalents; 0 while none reports): with its own, what "
+            "this replica balances new sessions by",
+            ("endpoint",),
+            "livemax",
+        )
         self._own_exported: set[str] = set()
         self.peer_placements = counter(
             "prefix_router_peer_placements",
@@ -212,6 +220,8 @@ class RouterMetrics:
                 gauge_.labels(router.instance, address).set(0.0)
                 gauge_.remove(router.instance, address)
         self._own_exported = set(own)
+        for address, work in router.peer_placed_work().items():
+            self.peer_placed_work.labels(address).set(work)
         self.peers.set(len(router.peers()))
         self.traffic_share.set(router.traffic_share)
         self.cold_margin.set(router.cold_margin)

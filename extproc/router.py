@@ -417,6 +417,13 @@ class Router:
         (decaying; what it tells its peers, who balance new sessions by it)."""
         return dict(zip(self._addresses, self._placed.tolist(), strict=True))
 
+    def peer_placed_work(self) -> dict[str, float]:
+        """The peers' placed cold-start work per endpoint that counts now (0 when none is
+        fresh), summed over the peers."""
+        fresh = self.clock() <= self._peer_placed_until
+        totals = self._peer_placed_total.tolist() if fresh else [0.0] * len(self._addresses)
+        return dict(zip(self._addresses, totals, strict=True))
+
     def observe_peer_placed(self, peer: str, placed: Mapping[str, float]) -> None:
         """Another router replica's placed cold-start work per endpoint (its
         ``own_placed_work``). While such reports are fresh and this router shares placements,

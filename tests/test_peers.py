@@ -41,9 +41,14 @@ def test_the_exported_gauge_reads_back_as_each_routers_own_work():
     assert sum(work[router.instance].values()) == pytest.approx(decision.work)
     # And the cold starts' placed work, which peers that share placements balance by.
     router.observe_peer_placed("another", {ENDPOINTS[1].address: 7.0})  # not re-exported
-    placed = parse_peer_figures(generate_latest(registry).decode()).placed
+    metrics.refresh(router)
+    page = generate_latest(registry).decode()
+    placed = parse_peer_figures(page).placed
     assert decision.cold_start and placed == {router.instance: router.own_placed_work()}
     assert placed[router.instance][decision.endpoint] == pytest.approx(decision.work)
+    # What the peers report is exported apart, per endpoint (it is what the balance adds).
+    line = f'prefix_router_peer_placed_work{{endpoint="{ENDPOINTS[1].address}"}} 7.0'
+    assert line in page
 
 
 def test_peers_config_is_validated_with_the_field_named(tmp_path):

@@ -195,27 +195,33 @@ def _own_placed_work(admin_port: int, endpoint: str) -> float:
     )
 
 
+def _peer_placed_work(admin_port: int, endpoint: str) -> float:
+    metrics = samples(admin_port)
+    return metrics.get(("prefix_router_peer_placed_work", (("endpoint", endpoint),)), 0.0)
+
+
 def test_router_replicas_balance_new_conversations_over_each_others_placements(tmp_path):
     """Router A (which knows only replica X) starts four long conversations there; router B,
     reading A's placed cold-start work (peers), sends new conversations whose rendezvous pick
-    is X to Y, which no router has placed anything on. B sends a quarter of the traffic or
-    less, so without its peers' figures it would keep the rendezvous pick, X (as in the test
-    above, where A's figures are not yet there)."""
+    is X to Y, which no router has placed anything on, once its own admin port shows it has
+    A's figure (prefix_router_peer_placed_work). B has not measured its share of the traffic,
+    so without its peers' figures it would keep the rendezvous pick, X."""
     with Stack(workdir=tmp_path) as stack:
         x, y = stack.start_replicas(2, FAST)
         args = [*ROUTER_ARGS, "--set", "peers.interval_seconds=0.2"]
         envoy_ports = stack.start_peer_routers({"router-a": [x], "router-b": [x, y]}, args)
         admin = stack.router_admin_ports
         for i in range(4):
-            body = chat_body(f"a long conversation {i} of router A " * 100, system=f"A{i}.")
+            body = chat_body(f"a long conversation {i} of router A " * 200, system=f"A{i}.")
             response = request(envoy_ports["router-a"], body)
             assert response.status == 200
             assert response.headers["x-gateway-destination-endpoint-served"] == x
-        deadline = time.monotonic() + 10
-        while _own_placed_work(admin["router-a"], x) <= 0:
-            assert time.monotonic() < deadline, "router A never exported its placed work"
+        deadline = time.monotonic() + 20
+        placed_at_a = 0.0
+        while placed_at_a <= 0 or _peer_placed_work(admin["router-b"], x) < placed_at_a:
+            assert time.monotonic() < deadline, "router B never read A's placed work"
             time.sleep(0.1)
-        time.sleep(1.0)  # five of B's reads (every 0.2 s) of A's /metrics
+            placed_at_a = _own_placed_work(admin["router-a"], x)
         bodies = []
         for i in range(40):
             body = chat_body(f"a short conversation {i} " * 5, system=f"Be brief, {i}.")
