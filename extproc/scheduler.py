@@ -417,11 +417,12 @@ class Scheduler:
             # Queued work only: a cheaper prefill where a shared preamble is held must not
             # pull new sessions onto the holders (the herding described above).
             eligible = _with_room(eligible, table.saturated)
-            limit = float(work[eligible].min()) + model.cold_margin * model.prefill(n, 0)
+            cold_prefill = model.prefill(n, 0)
+            limit = float(work[eligible].min()) + model.cold_margin * cold_prefill
             score = (work <= limit).astype(np.float64)
             if table.placed is not None:
                 score = 3.0 * score + self._balance(
-                    table, eligible, score > 0, key, rendezvous, model.prefill(n, 0)
+                    table, eligible, score > 0, key, rendezvous, cold_prefill
                 )
             order = np.lexsort((~rendezvous, -score, ~eligible))
             chosen = int(order[0])
