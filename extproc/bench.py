@@ -93,6 +93,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     _add_share_queues_argument(sim)
     sim.add_argument(
+        "--sweep-peers",
+        action="store_true",
+        help="with --sweep-k: also sweep ours with peers (router replicas reading each "
+        "other's queued work and placements), as the line 'ours, peers'",
+    )
+    sim.add_argument(
         "--audit",
         action="store_true",
         help="check every decision against the replicas' true caches: per rule, how many "
@@ -290,6 +296,23 @@ def grid_command(args: argparse.Namespace) -> int:
     return 0
 
 
+PEERS_LINE = "ours, peers"
+
+
+def _peer_sweep_runs(args: argparse.Namespace, names: list[str], ks: list[int]) -> list[int]:
+    """The K values ours runs again with peers for --sweep-peers (every swept K above 1)."""
+    if not args.sweep_peers:
+        return []
+    if not ks or "ours" not in names:
+        raise SystemExit("--sweep-peers needs --sweep-k and ours among --policies")
+    if args.share_queues or args.share_placements:
+        raise SystemExit(
+            "--sweep-peers puts ours with peers beside ours without; "
+            "drop --share-queues/--share-placements"
+        )
+    return [k for k in ks if k != 1]
+
+
 def simulate_command(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
@@ -312,12 +335,13 @@ def simulate_command(args: argparse.Namespace) -> int:
     ks = _int_list("--sweep-k", args.sweep_k) if args.sweep_k else []
     swept = [n for n in names if n not in BOUNDS]
     extra_runs = [(n, k) for k in ks if k != args.router_replicas for n in swept]
+    peer_runs = _peer_sweep_runs(args, names, ks)
     requests = workload.requests
     prompt_tokens = sum(r.input_tokens for r in requests)
     ideal = ideal_hit_ratio(requests, cost.kv_block_tokens)
 
     bar = tqdm(
-        total=len(requests) * (len(names) + len(extra_runs)),
+        total=len(requests) * (len(names) + len(extra_runs) + len(peer_runs)),
         unit="req",
         disable=True if args.no_progress else None,
         file=sys.stderr,
@@ -335,6 +359,15 @@ def simulate_command(args: argparse.Namespace) -> int:
             run_params = dataclasses.replace(params, router_replicas=k)
             summary = summarize(simulate(workload, name, run_params, bar.update), ideal)
             sweep[name][k] = summary["hit_ratio"]
+        if peer_runs:
+            # One router replica has no peers: its K=1 point is ours' own run.
+            sweep[PEERS_LINE] = {k: sweep["ours"][k] for k in ks if k == 1}
+            peers = dataclasses.replace(params, share_queues=True, share_placements=True)
+            for k in peer_runs:
+                bar.set_description(f"{PEERS_LINE} K={k}")
+                run_params = dataclasses.replace(peers, router_replicas=k)
+                summary = summarize(simulate(workload, "ours", run_params, bar.update), ideal)
+                sweep[PEERS_LINE][k] = summary["hit_ratio"]
     bar.close()
 
     doc: dict[str, Any] = {

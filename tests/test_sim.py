@@ -236,6 +236,29 @@ def test_cli_simulate_end_to_end(tmp_path, capsys) -> None:
     assert "ideal hit ratio" in printed and "against the replicas' true caches" in printed
 
 
+def test_cli_simulate_sweeps_ours_with_peers_beside_ours_without(tmp_path, capsys) -> None:
+    def run(*extra: str) -> dict:
+        out = tmp_path / "out.json"
+        args = ["bench", "simulate", "--workload", "small-multi-turn", "--replicas", "4"]
+        args += ["--capacity-tokens", "20000", "--policies", "ours", "--no-progress"]
+        assert main([*args, "--json", str(out), *extra]) == 0
+        return json.loads(out.read_text())
+
+    swept = run("--sweep-k", "1,2", "--sweep-peers", "--plot", str(tmp_path / "k.png"))
+    with_peers = run("--router-replicas", "2", "--share-queues", "--share-placements")
+    without = run("--router-replicas", "2")
+    line = swept["sweep_k"]["ours, peers"]
+    assert line["1"] == swept["sweep_k"]["ours"]["1"]
+    assert line["2"] == with_peers["policies"]["ours"]["hit_ratio"]
+    assert swept["sweep_k"]["ours"]["2"] == without["policies"]["ours"]["hit_ratio"]
+    assert line["2"] != swept["sweep_k"]["ours"]["2"]  # the runs differ, so the check bites
+    assert "ours, peers" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="--share-queues"):
+        run("--sweep-k", "1,2", "--sweep-peers", "--share-placements")
+    with pytest.raises(SystemExit, match="needs --sweep-k"):
+        run("--sweep-peers")
+
+
 def test_cli_simulate_routing_overrides_reach_ours(tmp_path, capsys) -> None:
     def run(*routing: str) -> dict:
         out = tmp_path / "out.json"

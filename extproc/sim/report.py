@@ -156,12 +156,13 @@ def plot(
                 for c in plt.rcParams["axes.prop_cycle"].by_key()["color"]
                 if matplotlib.colors.to_hex(c) != matplotlib.colors.to_hex("tab:red")
             ]
-            style = (
-                {"color": "tab:red", "linewidth": 2.5}
-                if name == "ours"
-                else {"color": others[list(sweep).index(name) % len(others)]}
-            )
-            ax.plot(ks, [by_k[k] for k in ks], marker="o", label=name, **style)
+            if name == "ours":
+                style: dict[str, Any] = {"color": "tab:red", "linewidth": 2.5}
+            elif name.startswith("ours"):  # ours with peers (bench simulate --sweep-peers)
+                style = {"color": "darkred", "linestyle": "--", "marker": "s"}
+            else:
+                style = {"color": others[list(sweep).index(name) % len(others)]}
+            ax.plot(ks, [by_k[k] for k in ks], **{"marker": "o", "label": name, **style})
         ax.axhline(ideal_hit_ratio, color="black", linestyle="--", linewidth=1, label="ideal")
         ax.set_xscale("log", base=2)
         ax.set_xlabel("router replicas K")
