@@ -260,8 +260,9 @@ class RoutingConfig(_Strict):
     )
     count_unseen_waiting: bool = Field(
         default=True,
-        description="count requests an endpoint reports waiting beyond this router's own "
-        "as queued work (several router replicas)",
+        description="count requests an endpoint reports waiting beyond this router's own, "
+        "or the others' share of what the endpoints report, as queued work (several "
+        "router replicas)",
     )
     kv_blocked_fraction: float = Field(
         default=0.9,

@@ -380,9 +380,10 @@ def test_requests_waiting_beyond_this_routers_own_count_as_work_until_they_would
     assert queued_at_home() == round(10 * typical)
     clock.now += drain_seconds / 2
     assert queued_at_home() == 0
-    # What this router has in flight there is its own, not another router's.
+    # What this router has in flight there is its own, not another router's: 20 of its
+    # own waiting, and nothing reported beyond them.
     mine = [router.route(completion(f"own request {i}"), allowed={home}) for i in range(20)]
-    router.observe_signals(home, up=True, running=4, waiting=20)
+    router.observe_signals(home, up=True, running=0, waiting=20)
     assert queued_at_home() == round(sum(d.work for d in mine))
     # Switched off, or the endpoint's metrics gone: only this router's own queue counts.
     switched_off = config.model_copy(update={"count_unseen_waiting": False})
@@ -391,6 +392,35 @@ def test_requests_waiting_beyond_this_routers_own_count_as_work_until_they_would
         other.finish(other.route(turn1))
         other.observe_signals(home, up=up, running=4, waiting=20)
         assert other.route(turn2).endpoint == home
+
+
+def test_waiting_requests_count_as_others_by_the_others_share_of_what_endpoints_report():
+    """Two router replicas: this one's own requests outnumber those waiting at an endpoint,
+    yet the endpoints report running more than this router has in flight: part of their
+    queues is the other router's. The waiting requests count as others' queued work in the
+    share the others hold of everything reported; a router whose in-flight count covers
+    what the endpoints report (one router alone) counts none."""
+
+    def home_queue(others_running: int) -> tuple[float, float]:
+        router = Router(RoutingConfig(load_slack=1000), ENDPOINTS, clock=Clock())
+        home = ENDPOINTS[0].address
+        mine = [router.route(completion(f"own {i}"), allowed={home}) for i in range(8)]
+        for endpoint in ENDPOINTS[1:]:
+            router.observe_signals(endpoint.address, up=True, running=others_running, waiting=0)
+        # 6 waiting, 8 of this router's own in flight there: none beyond them.
+        router.observe_signals(home, up=True, running=2 + others_running, waiting=6)
+        probe = router.route(completion("an unrelated question"))
+        queued = {c["endpoint"]: c for c in probe.explain()["candidates"]}[home]["queued_work"]
+        typical = float(np.mean([d.work for d in mine]))
+        return queued - sum(d.work for d in mine), typical
+
+    others, typical = home_queue(others_running=6)
+    reported = (2 + 6 + 6) + 3 * 6
+    share = (reported - 8) / reported  # everything reported beyond this router's 8
+    assert others == pytest.approx(6 * share * typical, abs=1)
+    assert others > 2 * typical
+    others, _ = home_queue(others_running=0)
+    assert others == pytest.approx(0, abs=1)
 
 
 def test_requests_waiting_for_kv_memory_count_as_work_though_this_router_sent_them():
@@ -413,11 +443,12 @@ def test_requests_waiting_for_kv_memory_count_as_work_though_this_router_sent_th
         router.finish(first)
         home = first.endpoint
         assert home is not None
-        mine = [router.route(completion(f"own request {i}"), allowed={home}) for i in range(20)]
+        # 24 in flight there, all this router's: 4 running, 20 waiting.
+        mine = [router.route(completion(f"own request {i}"), allowed={home}) for i in range(24)]
         clock.now += 60.0  # their charges have drained on the router's clock
         router.observe_signals(home, up=True, running=4, waiting=20, kv_usage=kv_usage)
         decision = router.route(turn2)
-        typical = (first.work + sum(d.work for d in mine)) / 21
+        typical = (first.work + sum(d.work for d in mine)) / 25
         queued = {c["endpoint"]: c for c in decision.explain()["candidates"]}[home]
         return home, decision, queued["queued_work"], typical
 
@@ -493,24 +524,28 @@ def test_requests_waiting_for_a_batch_slot_are_priced_like_those_waiting_for_mem
     router's own charges, drained on its clock, and it stays; and with the rule off."""
 
     def second_turn(config: RoutingConfig, ceiling: int, running: int):
-        home, decision, queued, _, drain = _second_turn_after_two_scrapes(
+        home, decision, queued, typical, drain = _second_turn_after_two_scrapes(
             config,
             dict(running=ceiling, waiting=5, kv_usage=0.3),
             dict(running=running, waiting=5, kv_usage=0.3, prefill_window=(1e3, 1, 0.1)),
         )
-        return home, decision, queued, drain
+        return home, decision, queued, typical, drain
 
     config = RoutingConfig(load_slack=1000)
-    home, moved, queued, drain = second_turn(config, ceiling=128, running=128)
+    home, moved, queued, _, drain = second_turn(config, ceiling=128, running=128)
     assert moved.endpoint != home and moved.rule == RULE_LOAD_GUARD
     assert queued == pytest.approx(5 / 0.5 * drain, rel=0.01)
     off = config.model_copy(update={"slot_blocked_fraction": 0.0})
     for other_config, ceiling, running in ((config, 128, 64), (config, 16, 16), (off, 128, 128)):
-        home, stay, queued, _ = second_turn(other_config, ceiling, running)
-        assert stay.endpoint == home and queued == 0
+        home, stay, queued, typical, _ = second_turn(other_config, ceiling, running)
+        # Not priced as a wait for a slot: the waiting requests are a prefill queue, the
+        # share of them others sent (the running ones are not this router's) at its
+        # typical prefill, its own charges drained.
+        others = running / (running + 5)
+        assert stay.endpoint == home and queued == pytest.approx(5 * others * typical, abs=1)
     # A server configured with few slots: the operator lowers the floor, and it counts.
     few_slots = config.model_copy(update={"slot_ceiling_min": 16})
-    home, moved, _, _ = second_turn(few_slots, ceiling=16, running=16)
+    home, moved, _, _, _ = second_turn(few_slots, ceiling=16, running=16)
     assert moved.endpoint != home and moved.rule == RULE_LOAD_GUARD
 
 
