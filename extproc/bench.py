@@ -24,7 +24,7 @@ from .sim.engine import SimParams, simulate
 from .sim.grid import CAPACITIES
 from .sim.policies import ALL_POLICIES, BOUNDS, ideal_hit_ratio
 from .sim.replica import CostModel
-from .sim.report import audit_table, plot, summarize, table
+from .sim.report import PEERS_LINE, audit_table, plot, summarize, table
 from .sim.workloads import PRESETS, Workload, load_mooncake
 
 # Benchmarks in their own modules: name -> (module, help).
@@ -296,9 +296,6 @@ def grid_command(args: argparse.Namespace) -> int:
     return 0
 
 
-PEERS_LINE = "ours, peers"
-
-
 def _peer_sweep_runs(args: argparse.Namespace, names: list[str], ks: list[int]) -> list[int]:
     """The K values ours runs again with peers for --sweep-peers (every swept K above 1)."""
     if not args.sweep_peers:
@@ -354,20 +351,18 @@ def simulate_command(args: argparse.Namespace) -> int:
     if ks:
         for name in swept:
             sweep[name] = {args.router_replicas: results[name]["hit_ratio"]}
-        for name, k in extra_runs:
-            bar.set_description(f"{name} K={k}")
-            run_params = dataclasses.replace(params, router_replicas=k)
-            summary = summarize(simulate(workload, name, run_params, bar.update), ideal)
-            sweep[name][k] = summary["hit_ratio"]
+        # (line in the sweep, policy, K, parameters)
+        runs = [(name, name, k, params) for name, k in extra_runs]
         if peer_runs:
             # One router replica has no peers: its K=1 point is ours' own run.
-            sweep[PEERS_LINE] = {k: sweep["ours"][k] for k in ks if k == 1}
+            sweep[PEERS_LINE] = {1: sweep["ours"][1]} if 1 in ks else {}
             peers = dataclasses.replace(params, share_queues=True, share_placements=True)
-            for k in peer_runs:
-                bar.set_description(f"{PEERS_LINE} K={k}")
-                run_params = dataclasses.replace(peers, router_replicas=k)
-                summary = summarize(simulate(workload, "ours", run_params, bar.update), ideal)
-                sweep[PEERS_LINE][k] = summary["hit_ratio"]
+            runs += [(PEERS_LINE, "ours", k, peers) for k in peer_runs]
+        for line, policy, k, base in runs:
+            bar.set_description(f"{line} K={k}")
+            run_params = dataclasses.replace(base, router_replicas=k)
+            summary = summarize(simulate(workload, policy, run_params, bar.update), ideal)
+            sweep[line][k] = summary["hit_ratio"]
     bar.close()
 
     doc: dict[str, Any] = {

@@ -265,8 +265,9 @@ class Router:
             self._others_load[i] = 0.0
             return
         known = [v for v in (running, waiting) if v is not None]
-        self._reported_load[i] = sum(known) if known else np.nan
-        self._others_load[i] = max(0.0, sum(known) - float(self._in_flight[i]))
+        reported = sum(known)
+        self._reported_load[i] = reported if known else np.nan
+        self._others_load[i] = max(0.0, reported - float(self._in_flight[i]))
         if waiting is not None:
             now, rate = self.clock(), self.cost.drain_per_second
             unseen = self._unseen_waiting(i, waiting)

@@ -114,6 +114,10 @@ def table(policies: dict[str, dict[str, Any]], markdown: bool = False) -> str:
     return "\n".join([line(HEADERS), *(line(r) for r in rows)])
 
 
+# The sweep line of ours with peers (bench simulate --sweep-peers).
+PEERS_LINE = "ours, peers"
+
+
 def plot(
     path: str,
     title: str,
@@ -158,7 +162,7 @@ def plot(
             ]
             if name == "ours":
                 style: dict[str, Any] = {"color": "tab:red", "linewidth": 2.5}
-            elif name.startswith("ours"):  # ours with peers (bench simulate --sweep-peers)
+            elif name == PEERS_LINE:
                 style = {"color": "darkred", "linestyle": "--", "marker": "s"}
             else:
                 style = {"color": others[list(sweep).index(name) % len(others)]}
