@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .config import ConfigError, RoutingConfig, load_config, parse_assignments
+from .config import RoutingConfig, routing_overrides
 from .sim import grid as sim_grid
 from .sim.engine import SimParams, simulate
 from .sim.grid import CAPACITIES
@@ -205,16 +205,6 @@ def run(args: argparse.Namespace) -> int:
     return simulate_command(args)
 
 
-def _routing_overrides(pairs: list[str]) -> dict[str, Any]:
-    """--routing KEY=VALUE, checked as ``--set routing.KEY=VALUE`` is by the server."""
-    try:
-        overrides = parse_assignments(pairs, "--routing", prefix="routing.")
-        routing = load_config(None, overrides, environ={}).routing
-    except ConfigError as error:
-        raise SystemExit(f"--routing {' '.join(pairs)}: {error}") from None
-    return routing.model_dump(include={key.removeprefix("routing.") for key in overrides})
-
-
 def _int_list(flag: str, text: str) -> list[int]:
     try:
         return sorted({int(v) for v in text.split(",") if v.strip()})
@@ -242,7 +232,7 @@ def grid_command(args: argparse.Namespace) -> int:
         raise SystemExit(f"--seeds {args.seeds}: must be at least 1")
     seeds = tuple(range(args.seeds))
     ks = sorted({1, *_int_list("--router-replicas", args.router_replicas)})
-    routing = _routing_overrides(args.routing)
+    routing = routing_overrides(args.routing)
     names = _policy_names(args.policies)
     peers: dict[sim_grid.Cell, dict[str, dict[str, Any]]] = {}
     if args.peers_from:
@@ -317,7 +307,7 @@ def simulate_command(args: argparse.Namespace) -> int:
     workload = _workload(args)
     names = _policy_names(args.policies)
     cost = _cost_model(args.cost)
-    routing = _routing_overrides(args.routing)
+    routing = routing_overrides(args.routing)
     params = SimParams(
         replicas=args.replicas,
         capacity_tokens=args.capacity_tokens,

@@ -54,6 +54,7 @@ import aiohttp
 import orjson
 
 from . import lab
+from .config import routing_overrides
 from .stack import LOOPBACK, ManagedProcess, Stack, free_port, wait_for_port
 from .workload import (
     ChatWorkload,
@@ -585,6 +586,16 @@ def start_target(
             stack.stop(proc)
 
 
+def routing_set_args(routing: dict[str, Any]) -> list[str]:
+    """``--routing`` settings (validated) as the router's own ``--set routing.KEY=VALUE``
+    arguments, each value as JSON, which the router reads back as YAML."""
+    return [
+        arg
+        for key, value in routing.items()
+        for arg in ("--set", f"routing.{key}={json.dumps(value)}")
+    ]
+
+
 def warm_up(servers: Sequence[str], model: str) -> None:
     """One small request per server: the first request after start-up is slow."""
     body = orjson.dumps(
@@ -729,6 +740,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "with one per server, e.g. 4,16",
     )
     parser.add_argument("--seed", type=int, default=7)
+    parser.add_argument(
+        "--routing",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a routing setting of this project's routers (repeatable), e.g. "
+        "stickiness=2; checked as the server checks --set routing.KEY=VALUE",
+    )
     parser.add_argument("--run-timeout", type=float, default=300.0, help="limit per run (s)")
     parser.add_argument("--json", dest="json_out", help="write results as JSON here")
     parser.add_argument("--plot", help="write a PNG here")
@@ -770,6 +789,8 @@ def run(args: argparse.Namespace) -> int:
     lab.sigterm_as_interrupt()  # Ctrl-C or SIGTERM: every server and router is stopped
     runs = _split(args.runs, RUNS + EXTRA_RUNS, "runs")
     kinds = _split(args.workloads, WORKLOADS, "workloads")
+    routing = routing_overrides(args.routing)
+    router_args = routing_set_args(routing)
     try:
         slots = lab.per_server(args.max_num_seqs, args.replicas, "--max-num-seqs")
     except ValueError as error:
@@ -820,7 +841,7 @@ def run(args: argparse.Namespace) -> int:
             for kind in kinds:
                 for name in runs:
                     renders_before = count_render_calls([s.log_path for s in servers])
-                    with start_target(stack, name, addresses, model_dir) as target:
+                    with start_target(stack, name, addresses, model_dir, router_args) as target:
                         row = measured_run(target, kind, chat, groups, addresses, args.run_timeout)
                     row["render_calls"] = (
                         count_render_calls([s.log_path for s in servers]) - renders_before
@@ -848,6 +869,7 @@ def run(args: argparse.Namespace) -> int:
         "chat_workload": asdict(chat),
         "group_workload": asdict(groups),
         "kv_blocks": args.kv_blocks,
+        "routing": routing,
         "max_num_seqs": slots[0] if len(set(slots)) == 1 else slots,
         "wall_seconds": round(time.monotonic() - started, 1),
         "results": results,

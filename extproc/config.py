@@ -180,6 +180,17 @@ class RoutingConfig(_Strict):
     stickiness: float = Field(
         default=8.0, ge=0, description="extra cost per token an endpoint lacks vs the best holder"
     )
+    # A continuing conversation's later turns follow its history, so moving it loses no
+    # later reuse. Off by default: in the simulator 2 trades 0.001-0.016 of chat hit ratio
+    # for tails up to 12% shorter (chat 4 x 400k: 0.814 / 108 ms -> 0.808 / 94), but on two
+    # real vLLM servers its moves cost 0.008-0.023 of hit ratio for mixed TTFT
+    # (docs/benchmarks.md, item 22).
+    session_stickiness: float | None = Field(
+        default=None,
+        ge=0,
+        description="stickiness for a continuing conversation's own history toward an "
+        "endpoint with nothing queued (one router alone); unset: stickiness",
+    )
     # A copy into free room evicts nothing, and on an endpoint with nothing queued it delays
     # nobody. Off by default: in the simulator 1 trades hit ratio for tail (GAIE 16 x 400k:
     # 0.924 / 88 ms -> 0.921 / 81), but on two real vLLM servers it cost 0.02-0.06 of hit
@@ -584,6 +595,18 @@ def parse_assignments(items: Iterable[str], flag: str, prefix: str = "") -> dict
             raise ConfigError(f"{flag} {item!r}: expected KEY=VALUE")
         overrides[prefix + key.strip()] = yaml.safe_load(value)
     return overrides
+
+
+def routing_overrides(pairs: Iterable[str], flag: str = "--routing") -> dict[str, Any]:
+    """``KEY=VALUE`` routing settings from a benchmark's command line, checked as the
+    server checks ``--set routing.KEY=VALUE``: the validated values of the keys given."""
+    pairs = list(pairs)
+    try:
+        overrides = parse_assignments(pairs, flag, prefix="routing.")
+        routing = load_config(None, overrides, environ={}).routing
+    except ConfigError as error:
+        raise SystemExit(f"{flag} {' '.join(pairs)}: {error}") from None
+    return routing.model_dump(include={key.removeprefix("routing.") for key in overrides})
 
 
 def load_config(

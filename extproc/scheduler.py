@@ -25,7 +25,10 @@ The algorithm, top to bottom:
    stays with its prefix unless the queue there costs more than the prefill it would save
    (plus the stickiness premium, which stands for the later requests that reuse the prefix;
    with stickiness_fill set, off by default, a router alone scales it by the estimated fill
-   of an endpoint with nothing queued: a copy into free room evicts nothing).
+   of an endpoint with nothing queued: a copy into free room evicts nothing; with
+   session_stickiness set, off by default, a router alone charges a continuing
+   conversation that much per token toward an endpoint with nothing queued: its later
+   turns follow the copy).
    A new session drawn by a shared prefix alone (held, but not its own first turn) goes by
    the rendezvous order among the endpoints whose cost is within cold_margin x its cold
    prefill of the cheapest, as a cold start would: another router replica that sees only
@@ -178,6 +181,8 @@ class CostModel:
     # router replicas share the endpoints: its index then sees only its own insertions).
     stickiness_fill: float = 0.0
     stickiness_floor: float = 0.0
+    # Stickiness for a continuing conversation's own history (None: the stickiness).
+    session_stickiness: float | None = None
 
     @classmethod
     def from_config(cls, config: RoutingConfig) -> CostModel:
@@ -188,6 +193,7 @@ class CostModel:
             stickiness=config.stickiness,
             cold_margin=config.cold_margin,
             stickiness_fill=config.stickiness_fill,
+            session_stickiness=config.session_stickiness,
         )
 
     def prefill(self, tokens: float, cached: float) -> float:
@@ -210,6 +216,20 @@ class CostModel:
             return self.stickiness
         share = np.maximum(self.stickiness_floor, np.minimum(1.0, fill / self.stickiness_fill))
         return self.stickiness * np.where(work > self.base_tokens, 1.0, share)
+
+    def continuing_premium(
+        self, premium: np.ndarray | float, work: np.ndarray
+    ) -> np.ndarray | float:
+        """Stickiness for a continuing conversation (its own first turn held): its later turns
+        follow its history, so a copy loses no later reuse, only the room it takes. Toward an
+        endpoint with nothing queued (the copy delays nobody) it pays session_stickiness,
+        when set; router replicas that share the endpoints pay in full (stickiness_floor),
+        since another replica sends the next turn where its own index saw the history."""
+        if self.session_stickiness is None:
+            return premium
+        own = self.session_stickiness
+        own += (self.stickiness - own) * self.stickiness_floor
+        return np.where(work > self.base_tokens, premium, np.minimum(premium, own))
 
 
 @dataclass(slots=True)
@@ -399,6 +419,8 @@ class Scheduler:
                 eligible = _with_room(eligible, table.saturated)
             best_tokens = min(n, best_eligible_match * block_tokens)
             premium = model.premium(table.fill, work)
+            if not new_session and not turnless:
+                premium = model.continuing_premium(premium, work)
             score = -(cost + premium * np.maximum(0.0, best_tokens - cached))
             if new_session:
                 # The rendezvous order among the endpoints within the cold-start margin of

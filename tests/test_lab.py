@@ -11,7 +11,8 @@ from pathlib import Path
 import orjson
 import pytest
 
-from extproc import bench_live, lab, model_fixture
+from extproc import bench_live, lab, model_fixture, serve
+from extproc.config import routing_overrides
 
 
 def test_vllm_command_is_loopback_with_the_cpu_flags(tmp_path: Path) -> None:
@@ -42,6 +43,25 @@ def test_batch_slots_are_one_count_for_all_servers_or_one_each() -> None:
         lab.per_server([4, 16], 3, "slots")
     args = lab.vllm_command(Path("/py"), Path("/m"), 8123, max_num_seqs=4)
     assert args[args.index("--max-num-seqs") + 1] == "4"
+
+
+def test_routing_settings_reach_the_routers_as_the_server_reads_them() -> None:
+    """bench live --routing: checked before anything starts, then handed to every router of
+    the run as --set arguments that the server's own parser reads back to the same values."""
+    parser = argparse.ArgumentParser()
+    bench_live.add_arguments(parser)
+    args = parser.parse_args(["--routing", "session_stickiness=2", "--routing", "load_slack=12"])
+    routing = routing_overrides(args.routing)
+    assert routing == {"session_stickiness": 2.0, "load_slack": 12}
+    server = argparse.ArgumentParser()
+    serve.add_arguments(server)
+    config = serve.config_from_args(server.parse_args(bench_live.routing_set_args(routing)))
+    assert config.routing.session_stickiness == 2.0 and config.routing.load_slack == 12
+    assert bench_live.routing_set_args({}) == []
+    with pytest.raises(SystemExit, match=r"routing\.stickyness"):
+        routing_overrides(["stickyness=2"])
+    with pytest.raises(SystemExit, match=r"routing\.stickiness: Input should be greater"):
+        routing_overrides(["stickiness=-1"])
 
 
 def test_each_replica_gets_its_own_core() -> None:

@@ -284,13 +284,17 @@ def test_the_stickiness_premium_scales_with_the_targets_fill_only_when_it_is_idl
     assert dataclasses.replace(model, stickiness_fill=0.0).premium(fill, idle) == 8.0
 
 
-def _session_behind_a_queued_job(config: RoutingConfig, *, others_busy: bool = False):
+def _session_behind_a_queued_job(
+    config: RoutingConfig, *, others_busy: bool = False, completions: bool = False
+):
     """A ~4k-token session on its holder, which then gets a ~12k-token job queued: less than
-    the full premium for the session's tokens (8 x 4k), more than a cold prefill elsewhere."""
+    the full premium for the session's tokens (8 x 4k), more than a cold prefill elsewhere.
+    ``completions``: the same prompts as completions, which have no turns."""
     router = Router(config, ENDPOINTS, clock=Clock())
     for i in range(24):  # enough finished requests to measure the traffic share by
         router.finish(router.route(chat(f"conversation {i} " * 30)))
-    turn1 = chat("explain rendezvous hashing " * 600)
+    text = "explain rendezvous hashing " * 600
+    turn1 = completion(text) if completions else chat(text)
     first = router.route(turn1)
     router.finish(first)
     router.route(completion("queued job. " * 4000), allowed=frozenset({first.endpoint}))
@@ -298,8 +302,9 @@ def _session_behind_a_queued_job(config: RoutingConfig, *, others_busy: bool = F
         for endpoint in ENDPOINTS:
             if endpoint.address != first.endpoint:
                 router.route(completion("short job " * 40), allowed=frozenset({endpoint.address}))
-    turn2 = chat("explain rendezvous hashing " * 600, "sure: ...", "and with weights?")
-    return router, first, turn2
+    if completions:
+        return router, first, completion(text + "sure: ... and with weights?")
+    return router, first, chat(text, "sure: ...", "and with weights?")
 
 
 def test_a_router_alone_copies_a_session_into_an_idle_endpoints_free_room():
@@ -319,6 +324,33 @@ def test_a_router_alone_copies_a_session_into_an_idle_endpoints_free_room():
     router, first, turn2 = _session_behind_a_queued_job(scaled)
     _report_finished(router, 4.0)  # this router sends a quarter of what they serve
     assert router.cost.stickiness_floor == 1.0
+    assert router.route(turn2).endpoint == first.endpoint
+
+
+def test_a_conversation_moves_its_history_off_a_queue_for_the_session_premium_only():
+    """session_stickiness (docs/benchmarks.md, item 22): a conversation's later turns follow
+    its history, so a copy of it on an idle endpoint loses no later reuse; it moves off a
+    queue longer than that premium. Not with the full premium, not into a busy endpoint,
+    not for a completion (no turns: its prefix may be any request's), and not once other
+    router replicas serve most of the traffic (their next turn looks for the old holder)."""
+    premium = RoutingConfig(session_stickiness=2.0)
+    router, first, turn2 = _session_behind_a_queued_job(premium)
+    moved = router.route(turn2)
+    assert moved.rule == RULE_LOAD_GUARD and moved.endpoint != first.endpoint
+    router.finish(moved)
+    turn3 = chat(
+        "explain rendezvous hashing " * 600, "sure: ...", "and with weights?", "ok", "more"
+    )
+    assert router.route(turn3).endpoint == moved.endpoint  # the history followed
+    router, first, turn2 = _session_behind_a_queued_job(RoutingConfig(session_stickiness=8.0))
+    stay = router.route(turn2)
+    assert stay.rule == RULE_AFFINITY and stay.endpoint == first.endpoint
+    router, first, turn2 = _session_behind_a_queued_job(premium, others_busy=True)
+    assert router.route(turn2).endpoint == first.endpoint
+    router, first, prompt2 = _session_behind_a_queued_job(premium, completions=True)
+    assert router.route(prompt2).endpoint == first.endpoint
+    router, first, turn2 = _session_behind_a_queued_job(premium)
+    _report_finished(router, 4.0)  # this router sends a quarter of what they serve
     assert router.route(turn2).endpoint == first.endpoint
 
 
