@@ -38,7 +38,10 @@ The algorithm, top to bottom:
    while another eligible endpoint has room; a request whose own prefix is held does not.
    Except a popular preamble: a shared prefix that draws more than one endpoint's share of
    the recent new sessions (popularity.py; one system prompt for every conversation) does
-   not attract them: they go as cold starts (rule 3), rule 'shared_prefix_spread'.
+   not attract them: they go as cold starts (rule 3), rule 'shared_prefix_spread'. A
+   preamble that is most of the prompt (a document) must draw that share beyond chance
+   (PrefixPopularity.draws_more_than): spreading copies it whole, and over the first few
+   dozen sessions a few documents' shares are noise.
    A completion shows no turns (its session key is its first cold_start_blocks, which a
    shared system prompt covers): one whose held prefix is under shared_prefix_fraction of it
    is a new session of that prefix too, and when the prefix is popular it is placed by its
@@ -398,6 +401,10 @@ class Scheduler:
             if shared is None and hashes is not None and best_eligible_match:
                 shared = int(hashes[best_eligible_match - 1])
             popular = self.popularity.new_session(shared) * count > 1 + 1e-9
+            if popular and group_key:
+                # The preamble is most of the prompt (a document): spreading copies it whole,
+                # once per endpoint a question lands on, so its share must be beyond chance.
+                popular = self.popularity.draws_more_than(1.0 / count)
             if popular and shared_preamble and hashes is not None:
                 # Placed by its own first blocks after the preamble, which its later
                 # requests (the same prompt, extended) share: the key of its first blocks

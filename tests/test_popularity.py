@@ -50,3 +50,29 @@ def test_the_table_stays_bounded_and_keeps_the_prefixes_drawn_most():
         popularity.new_session(prefix)  # each drawn once
     assert len(popularity._counts) <= MAX_PREFIXES
     assert -1 in popularity._counts
+
+
+def test_a_share_counts_as_more_than_another_only_beyond_chance():
+    """draws_more_than: a count beyond what the given share would draw by SIGNIFICANCE
+    standard deviations. One prefix in every session passes it at the fourth against a
+    quarter; one in every sixth never does against a quarter, one in every fourth does
+    against an eighth once enough sessions are counted; no prefix (None) never does."""
+    popularity = PrefixPopularity(window=256)
+    passed = []
+    for _ in range(6):
+        popularity.new_session(1)
+        passed.append(popularity.draws_more_than(0.25))
+    assert passed == [False, False, False, True, True, True]
+
+    sixth, quarter = PrefixPopularity(window=256), PrefixPopularity(window=256)
+    against_a_quarter, against_an_eighth = [], []
+    for i in range(3000):
+        sixth.new_session(i % 6)
+        against_a_quarter.append(sixth.draws_more_than(0.25))
+        quarter.new_session(i % 4)
+        against_an_eighth.append(quarter.draws_more_than(1 / 8))
+    assert not any(against_a_quarter)
+    assert not any(against_an_eighth[:12]) and all(against_an_eighth[-600:])
+
+    quarter.new_session(None)
+    assert not quarter.draws_more_than(0.01)
