@@ -209,6 +209,11 @@ class CostModel:
         new = np.maximum(1.0, tokens - cached)
         return self.base_tokens + new + self.ctx_factor * new * (tokens - new / 2)
 
+    def queued(self, work: np.ndarray) -> np.ndarray:
+        """Whether each endpoint has anything queued: more work than one request's fixed
+        cost (less is a request about to finish, or the drain's rounding)."""
+        return work > self.base_tokens
+
     def premium(self, fill: np.ndarray | None, work: np.ndarray) -> np.ndarray | float:
         """Stickiness per lacking token on each endpoint. A copy there evicts other blocks
         (when its cache is full) and delays the requests queued behind its longer prefill;
@@ -218,7 +223,7 @@ class CostModel:
         if fill is None or self.stickiness_fill <= 0 or self.stickiness_floor >= 1:
             return self.stickiness
         share = np.maximum(self.stickiness_floor, np.minimum(1.0, fill / self.stickiness_fill))
-        return self.stickiness * np.where(work > self.base_tokens, 1.0, share)
+        return self.stickiness * np.where(self.queued(work), 1.0, share)
 
     def continuing_premium(
         self, premium: np.ndarray | float, work: np.ndarray
@@ -232,7 +237,7 @@ class CostModel:
             return premium
         own = self.session_stickiness
         own += (self.stickiness - own) * self.stickiness_floor
-        return np.where(work > self.base_tokens, premium, np.minimum(premium, own))
+        return np.where(self.queued(work), premium, np.minimum(premium, own))
 
 
 @dataclass(slots=True)
