@@ -23,7 +23,7 @@ from .sim import grid as sim_grid
 from .sim.engine import SimParams, simulate
 from .sim.grid import CAPACITIES
 from .sim.policies import ALL_POLICIES, BOUNDS, ideal_hit_ratio
-from .sim.replica import CostModel
+from .sim.replica import KV_POOLS, CostModel
 from .sim.report import PEERS_LINE, audit_table, plot, summarize, table
 from .sim.workloads import PRESETS, Workload, load_mooncake
 
@@ -92,6 +92,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--sweep-k", help="also run router replicas K in this comma list (e.g. 1,2,4,8)"
     )
     _add_share_queues_argument(sim)
+    _add_kv_pool_argument(sim)
     sim.add_argument(
         "--sweep-peers",
         action="store_true",
@@ -129,11 +130,24 @@ def add_grid_arguments(grid: argparse.ArgumentParser) -> None:
     )
     _add_routing_argument(grid)
     _add_share_queues_argument(grid)
+    _add_kv_pool_argument(grid)
     grid.add_argument(
         "--peers-from", help="reuse the peers' results from this grid JSON (simulate ours only)"
     )
     grid.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="worker processes")
     grid.add_argument("--json", dest="json_out", help="write results as JSON here")
+
+
+def _add_kv_pool_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--kv-pool",
+        choices=KV_POOLS,
+        default="shared",
+        help="replica memory: 'shared' is vLLM's one block pool (running requests' blocks, "
+        "shared prefixes once, and the prefix cache in --capacity-tokens); 'split' is the "
+        "model of the figures before item 24 (a prefix cache and a running budget, each "
+        "--capacity-tokens)",
+    )
 
 
 def _add_share_queues_argument(parser: argparse.ArgumentParser) -> None:
@@ -236,7 +250,7 @@ def grid_command(args: argparse.Namespace) -> int:
     names = _policy_names(args.policies)
     peers: dict[sim_grid.Cell, dict[str, dict[str, Any]]] = {}
     if args.peers_from:
-        peers = sim_grid.load_peers(args.peers_from, seeds)
+        peers = sim_grid.load_peers(args.peers_from, seeds, args.kv_pool)
         names = [sim_grid.OURS]
     todo = sim_grid.cells(workloads, replicas, ks)
     runs = sum(1 for c in todo for p in names if p == sim_grid.OURS or c.router_replicas == 1)
@@ -251,6 +265,7 @@ def grid_command(args: argparse.Namespace) -> int:
         share_queues=args.share_queues,
         share_placements=args.share_placements,
         seeds=seeds,
+        kv_pool=args.kv_pool,
     )
     bar.close()
     for cell, by_policy in peers.items():
@@ -265,7 +280,7 @@ def grid_command(args: argparse.Namespace) -> int:
     over = f", seeds 0-{seeds[-1]} (means)" if len(seeds) > 1 else ""
     print(
         f"routing overrides: {routing or 'none'}{shared}; {runs * len(seeds)} runs{over}, "
-        f"{args.jobs} worker processes"
+        f"{args.jobs} worker processes; KV pool {args.kv_pool}"
     )
     print(sim_grid.markdown(rows))
     print(sim_grid.summary_line(rows))
@@ -277,6 +292,7 @@ def grid_command(args: argparse.Namespace) -> int:
             "routing_overrides": routing,
             "share_queues": args.share_queues,
             "share_placements": args.share_placements,
+            "kv_pool": args.kv_pool,
             "seeds": list(seeds),
             "summary": sim_grid.summary_line(rows),
             "wall_seconds": round(wall, 2),
@@ -318,6 +334,7 @@ def simulate_command(args: argparse.Namespace) -> int:
         audit=args.audit,
         share_queues=args.share_queues,
         share_placements=args.share_placements,
+        kv_pool=args.kv_pool,
     )
     ks = _int_list("--sweep-k", args.sweep_k) if args.sweep_k else []
     swept = [n for n in names if n not in BOUNDS]
@@ -371,6 +388,7 @@ def simulate_command(args: argparse.Namespace) -> int:
             "routing_overrides": routing,
             "share_queues": args.share_queues,
             "share_placements": args.share_placements,
+            "kv_pool": args.kv_pool,
         },
         "wall_seconds": round(time.perf_counter() - started, 2),
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
@@ -383,7 +401,7 @@ def simulate_command(args: argparse.Namespace) -> int:
     print(
         f"workload {workload.name}: {len(requests)} requests, {prompt_tokens:,} prompt tokens; "
         f"{args.replicas} replicas x {args.capacity_tokens:,} KV tokens; "
-        f"router replicas K={args.router_replicas}; seed {args.seed}"
+        f"router replicas K={args.router_replicas}; seed {args.seed}; KV pool {args.kv_pool}"
     )
     print("cost model: " + ", ".join(f"{k}={v}" for k, v in cost.as_dict().items()))
     if routing:

@@ -10,7 +10,7 @@ import pytest
 
 from extproc.cli import main
 from extproc.config import RoutingConfig
-from extproc.sim.cache import ChunkLRU
+from extproc.sim.cache import ChunkLRU, KVPool
 from extproc.sim.engine import SimParams, simulate
 from extproc.sim.policies import (
     ALL_POLICIES,
@@ -75,6 +75,81 @@ def test_replica_cache_never_exceeds_capacity() -> None:
         replica.end_prefill(request)
         replica.finish(request)
         assert replica.cache.used <= 160
+
+
+def test_kv_pool_agrees_with_a_recount_after_every_step() -> None:
+    """Random admissions and finishes over chains that share prefixes: ``pinned`` is every
+    running chunk once plus the private units, ``used`` adds the free cached chunks, only free
+    chunks are evicted, and the pool is over capacity only when running requests alone are."""
+    rng = random.Random(5)
+    pool = KVPool(capacity=400)
+    running: list[tuple[tuple[int, ...], int, int]] = []
+    for _ in range(2_000):
+        if running and (rng.random() < 0.45 or len(running) > 6):
+            ids, last, private = running.pop(rng.randrange(len(running)))
+            pool.release(ids, private)
+        else:
+            root = rng.randrange(4)
+            ids = (root, *(root * 100 + rng.randrange(3) * 10 + j for j in range(rng.randrange(5))))
+            # Chained ids: an id always follows the same predecessor.
+            ids = tuple(hash(ids[: i + 1]) for i in range(len(ids)))
+            last, private = rng.choice((16, 5)), rng.randrange(1, 20)
+            before = pool.pinned
+            cost = pool.pin_cost(ids, 16, last, private)
+            pool.pin(ids, 16, last, private)
+            assert pool.pinned == before + cost
+            running.append((ids, last, private))
+        pinned_chunks = {c for ids, _, _ in running for c in ids}
+        held = pool._held
+        assert pinned_chunks <= set(held)  # nothing running is ever evicted
+        privates = sum(p for _, _, p in running)
+        assert pool.pinned == sum(held[c] for c in pinned_chunks) + privates
+        assert pool.used == sum(held.values()) + privates
+        assert set(pool._free) == set(held) - pinned_chunks
+        assert pool.used <= max(pool.capacity, pool.pinned)
+
+
+def test_running_requests_hold_a_shared_prefix_once_in_one_pool() -> None:
+    """vLLM's block pool: a second request on the same 48-token prefix adds only its own
+    chunk, output and nothing else; the split model (before item 24) charged it all again."""
+    first, second = _request(0, (1, 2, 3, 4)), _request(1, (1, 2, 3, 5))
+    other = _request(2, (10, 11, 12, 13))
+    for kv_pool, admits_second in (("shared", True), ("split", False)):
+        replica = Replica(0, capacity_tokens=100, cost=CostModel(), kv_pool=kv_pool)
+        for request in (first, second, other):
+            replica.enqueue(request)
+        started, _, _ = replica.start_prefill()
+        replica.end_prefill(started)
+        assert replica.can_start() is admits_second
+        if kv_pool == "shared":
+            assert replica.kv_usage() == pytest.approx(68 / 100)  # 4 chunks + 4 output
+            _, hit, _ = replica.start_prefill()
+            replica.end_prefill(second)
+            assert hit == 48 and replica.kv_usage() == pytest.approx(88 / 100)
+            assert not replica.can_start()  # the unrelated third needs 68 more
+
+
+def test_the_prefix_cache_is_what_running_requests_leave_of_the_pool() -> None:
+    replica = Replica(0, capacity_tokens=100, cost=CostModel())
+    done = _request(0, (20, 21, 22, 23))
+    replica.enqueue(done)
+    replica.start_prefill()
+    replica.end_prefill(done)
+    replica.finish(done)
+    assert replica.cached_tokens(done) == 64 and replica.kv_usage() == 0
+    running = _request(1, (1, 2, 3, 4))
+    replica.enqueue(running)
+    replica.start_prefill()
+    # 68 pinned + 64 cached > 100: the finished chain gives up its tail, two chunks.
+    assert replica.cached_tokens(done) == 32 and replica.cache.used == 100
+    replica.end_prefill(running)
+    replica.finish(running)
+    assert replica.cached_tokens(running) == 64  # its output is not cached
+
+
+def test_replica_rejects_an_unknown_memory_model() -> None:
+    with pytest.raises(ValueError, match="kv_pool"):
+        Replica(0, capacity_tokens=100, cost=CostModel(), kv_pool="paged")
 
 
 def test_prefill_cost_matches_the_h200_calibration() -> None:

@@ -139,3 +139,11 @@ def test_grid_with_seeds_averages_draws_it_also_runs_alone(tmp_path) -> None:
     with pytest.raises(SystemExit) as error:
         _grid(tmp_path, "mixed.json", "--peers-from", str(tmp_path / "one.json"), "--seeds", "2")
     assert "same --seeds" in str(error.value)
+    # Peers simulated on the other memory model (grids before item 24 have no kv_pool and
+    # ran "split") are refused too.
+    with pytest.raises(SystemExit) as error:
+        _grid(
+            tmp_path, "mixed.json", "--peers-from", str(tmp_path / "one.json"), "--kv-pool", "split"
+        )
+    assert "same --kv-pool" in str(error.value)
+    assert one["kv_pool"] == "shared"

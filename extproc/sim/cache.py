@@ -69,3 +69,113 @@ class ChunkLRU:
         while self.used > self.capacity and held:
             _, units = held.popitem(last=False)
             self.used -= units
+
+
+class KVPool:
+    """vLLM's one KV block pool: what a model server really holds, as the replicas use it.
+
+    A running request pins the chunks of its prompt; a chunk two running requests share is
+    held once (vLLM's block reference counts). ``private`` units of a request (its output
+    and the partial last block, which nobody else can reuse) are pinned beside them. When the
+    last request using a chunk finishes, the chunk stays in the pool as prefix cache and joins
+    the free queue, tail chunks first (vLLM frees a sequence's blocks in reverse), so eviction
+    takes chains from their tail; a cached chunk that a new request pins leaves the queue.
+    Only free chunks are evicted, and only when the pool is over capacity. ``pinned`` is what
+    vLLM exports as KV-cache usage; ``used`` adds the free cached chunks.
+    """
+
+    __slots__ = ("_free", "_held", "_refs", "capacity", "pinned", "used")
+
+    def __init__(self, capacity: float) -> None:
+        if capacity <= 0:
+            raise ValueError("capacity must be > 0")
+        self.capacity = capacity
+        self.pinned = 0
+        self.used = 0
+        self._held: dict[int, int] = {}  # chunk -> units held
+        self._refs: dict[int, int] = {}  # chunk -> running requests using it (> 0 only)
+        self._free: OrderedDict[int, None] = OrderedDict()  # unpinned chunks, evicted first
+
+    def __len__(self) -> int:
+        return len(self._held)
+
+    def __contains__(self, chunk: int) -> bool:
+        return chunk in self._held
+
+    def match(self, ids: Sequence[int], full: int, last: int) -> int:
+        """Units of the longest held prefix (pinned or free), as ChunkLRU.match."""
+        held = self._held
+        final = len(ids) - 1
+        total = 0
+        for i, chunk in enumerate(ids):
+            have = held.get(chunk)
+            if have is None:
+                break
+            need = last if i == final else full
+            if have < need:
+                return total + have
+            total += need
+        return total
+
+    def pin_cost(self, ids: Sequence[int], full: int, last: int, private: int) -> int:
+        """Units ``pin`` would add to ``pinned``: what admitting the request takes from the
+        pool that running requests do not already hold."""
+        held, refs = self._held, self._refs
+        final = len(ids) - 1
+        extra = private
+        for i, chunk in enumerate(ids):
+            need = last if i == final else full
+            have = held.get(chunk, 0)
+            extra += max(0, need - have) if chunk in refs else max(have, need)
+        return extra
+
+    def pin(self, ids: Sequence[int], full: int, last: int, private: int) -> None:
+        """A request starts: hold its chunks (adding the missing ones) and its private units,
+        then evict free chunks down to capacity."""
+        held, refs, free = self._held, self._refs, self._free
+        final = len(ids) - 1
+        for i in range(final, -1, -1):
+            chunk = ids[i]
+            need = last if i == final else full
+            have = held.get(chunk)
+            if have is None:
+                held[chunk] = need
+                self.used += need
+                self.pinned += need
+                refs[chunk] = 1
+                continue
+            if have < need:
+                held[chunk] = need
+                self.used += need - have
+            count = refs.get(chunk, 0)
+            if count:
+                self.pinned += max(0, need - have)
+            else:
+                del free[chunk]
+                self.pinned += max(have, need)
+            refs[chunk] = count + 1
+        self.pinned += private
+        self.used += private
+        self._evict()
+
+    def release(self, ids: Sequence[int], private: int) -> None:
+        """A request finished: its private units go; chunks nobody else runs become cache."""
+        held, refs, free = self._held, self._refs, self._free
+        for i in range(len(ids) - 1, -1, -1):
+            chunk = ids[i]
+            count = refs[chunk] - 1
+            if count:
+                refs[chunk] = count
+            else:
+                del refs[chunk]
+                self.pinned -= held[chunk]
+                free[chunk] = None
+        self.pinned -= private
+        self.used -= private
+        self._evict()  # a request larger than the pool (admitted alone) leaves the excess
+
+    def _evict(self) -> None:
+        held, free = self._held, self._free
+        while self.used > self.capacity and free:
+            chunk, _ = free.popitem(last=False)
+            self.used -= held.pop(chunk)

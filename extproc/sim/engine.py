@@ -36,6 +36,9 @@ class SimParams:
     share_queues: bool = False
     # ... and the placements each makes (what went where), into each other's indexes.
     share_placements: bool = False
+    # The replicas' memory model (replica.py): "shared", vLLM's one block pool, or "split",
+    # the model of the figures before item 24.
+    kv_pool: str = "shared"
 
 
 @dataclass(slots=True)
@@ -78,7 +81,10 @@ def simulate(
 ) -> RunResult:
     """Replay ``workload`` through ``policy``; ``progress(n)`` is told of every n arrivals."""
     requests = workload.requests
-    replicas = [Replica(i, params.capacity_tokens, params.cost) for i in range(params.replicas)]
+    replicas = [
+        Replica(i, params.capacity_tokens, params.cost, params.kv_pool)
+        for i in range(params.replicas)
+    ]
     ctx = PolicyContext(
         replicas=replicas,
         rng=random.Random(params.seed),

@@ -105,6 +105,7 @@ def run_one(
     share_queues: bool = False,
     share_placements: bool = False,
     seed: int = 0,
+    kv_pool: str = "shared",
 ) -> tuple[Cell, str, dict[str, Any]]:
     """One simulation (runs in a worker process; everything it takes is picklable)."""
     cost = CostModel()
@@ -117,6 +118,7 @@ def run_one(
         share_queues=share_queues,
         share_placements=share_placements,
         seed=seed,
+        kv_pool=kv_pool,
     )
     workload = _workload(cell.workload, trace, seed)
     result = simulate(workload, policy, params)
@@ -161,6 +163,7 @@ def run_grid(
     share_queues: bool = False,
     share_placements: bool = False,
     seeds: Sequence[int] = (0,),
+    kv_pool: str = "shared",
 ) -> dict[Cell, dict[str, dict[str, Any]]]:
     """Peers and bounds run at K=1 only (their K sweep is `simulate --sweep-k`'s job).
     ``done`` is called once per (cell, policy), when all its seeds have run."""
@@ -179,7 +182,12 @@ def run_grid(
     out: dict[Cell, dict[str, dict[str, Any]]] = {}
     with ProcessPoolExecutor(max_workers=max(1, jobs)) as pool:
         futures = [
-            (seed, pool.submit(run_one, c, p, trace, routing, share_queues, share_placements, seed))
+            (
+                seed,
+                pool.submit(
+                    run_one, c, p, trace, routing, share_queues, share_placements, seed, kv_pool
+                ),
+            )
             for c, p, seed in work
         ]
         for seed, future in futures:
@@ -218,11 +226,18 @@ def from_json(rows: list[dict[str, Any]]) -> dict[Cell, dict[str, dict[str, Any]
 
 
 def load_peers(
-    path: str | os.PathLike[str], seeds: Sequence[int] = (0,)
+    path: str | os.PathLike[str], seeds: Sequence[int] = (0,), kv_pool: str = "shared"
 ) -> dict[Cell, dict[str, dict[str, Any]]]:
-    """The peers' figures from an earlier grid, which must have run the same seeds: means
-    over other draws of the workloads would not be comparable."""
+    """The peers' figures from an earlier grid, which must have run the same seeds and memory
+    model: means over other draws of the workloads, or on other replicas, are not comparable."""
     doc = json.loads(Path(path).read_text())
+    # Grids written before item 24 have no "kv_pool": they ran the split model.
+    theirs = doc.get("kv_pool", "split")
+    if theirs != kv_pool:
+        raise SystemExit(
+            f"--peers-from {path}: its grid ran --kv-pool {theirs}, this one runs {kv_pool} "
+            f"(use the same --kv-pool)"
+        )
     if list(doc.get("seeds", [0])) != list(seeds):
         raise SystemExit(
             f"--peers-from {path}: its grid ran seeds {doc.get('seeds', [0])}, "

@@ -13,6 +13,14 @@ Time model (deliberately small; every constant is in CostModel and printed with 
   base + per_seq·batch + per_ctx·(KV tokens in the batch) ms, with the batch frozen at the
   request's first token. Decode constants are a memory-bandwidth estimate, not measured.
 The cache holds prompt KV only (not generated tokens), in whole ``kv_block_tokens`` blocks.
+
+Memory, ``kv_pool="shared"`` (the default since item 24): one pool of ``capacity_tokens``,
+as vLLM has — running requests pin their prompt chunks (a prefix they share is held once)
+plus their output and partial last block; what no running request uses is the prefix cache,
+evicted when the pool needs room (cache.KVPool). A request is admitted when what it adds to
+the pinned units fits. ``kv_pool="split"`` is the model of every figure before item 24: a
+prefix cache of ``capacity_tokens`` and, beside it, running requests' whole prompts and
+outputs (shared prefixes once per request) in a second budget of the same size.
 """
 
 from __future__ import annotations
@@ -20,7 +28,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import asdict, dataclass
 
-from .cache import ChunkLRU
+from .cache import ChunkLRU, KVPool
 from .workloads import SimRequest
 
 
@@ -54,6 +62,9 @@ class CostModel:
         return asdict(self)
 
 
+KV_POOLS = ("shared", "split")
+
+
 def cache_units(request: SimRequest, block_tokens: int) -> tuple[int, int]:
     """Cacheable tokens of a full chunk and of the last chunk: whole KV blocks only."""
     full = request.chunk_tokens // block_tokens * block_tokens
@@ -64,11 +75,18 @@ def cache_units(request: SimRequest, block_tokens: int) -> tuple[int, int]:
 class Replica:
     """KV cache + queues + counters of one model server."""
 
-    def __init__(self, index: int, capacity_tokens: int, cost: CostModel) -> None:
+    def __init__(
+        self, index: int, capacity_tokens: int, cost: CostModel, kv_pool: str = "shared"
+    ) -> None:
+        if kv_pool not in KV_POOLS:
+            raise ValueError(f"kv_pool must be one of {KV_POOLS}, not {kv_pool!r}")
         self.index = index
         self.capacity_tokens = capacity_tokens
         self.cost = cost
-        self.cache = ChunkLRU(capacity_tokens)
+        self.shared_pool = kv_pool == "shared"
+        self.cache: KVPool | ChunkLRU = (
+            KVPool(capacity_tokens) if self.shared_pool else ChunkLRU(capacity_tokens)
+        )
         self.waiting: deque[SimRequest] = deque()
         self.prefilling = False
         self.running = 0  # prefilling + decoding sequences
@@ -86,7 +104,13 @@ class Replica:
 
     def kv_usage(self) -> float:
         """What vLLM exports as KV-cache usage: blocks held by running sequences."""
-        return min(1.0, self.running_tokens / self.capacity_tokens)
+        held = self.cache.pinned if isinstance(self.cache, KVPool) else self.running_tokens
+        return min(1.0, held / self.capacity_tokens)
+
+    def _private(self, request: SimRequest, full: int, last: int) -> int:
+        """Units only this request can use: its output and the tail short of a whole block."""
+        shared = full * (len(request.ids) - 1) + last
+        return request.input_tokens - shared + request.output_tokens
 
     def cached_tokens(self, request: SimRequest) -> int:
         full, last = cache_units(request, self.cost.kv_block_tokens)
@@ -101,19 +125,25 @@ class Replica:
             return False
         if self.running == 0:
             return True
+        if self.running >= self.cost.max_batch:
+            return False
         head = self.waiting[0]
+        if isinstance(self.cache, KVPool):
+            full, last = cache_units(head, self.cost.kv_block_tokens)
+            need = self.cache.pin_cost(head.ids, full, last, self._private(head, full, last))
+            return self.cache.pinned + need <= self.capacity_tokens
         need = head.input_tokens + head.output_tokens
-        return (
-            self.running < self.cost.max_batch
-            and self.running_tokens + need <= self.capacity_tokens
-        )
+        return self.running_tokens + need <= self.capacity_tokens
 
     def start_prefill(self) -> tuple[SimRequest, int, float]:
         """Admit the head of the queue: look up and refresh its prefix; (request, hit, ms)."""
         request = self.waiting.popleft()
         full, last = cache_units(request, self.cost.kv_block_tokens)
         hit = self.cache.match(request.ids, full, last)
-        self.cache.touch(request.ids, full, last)
+        if isinstance(self.cache, KVPool):
+            self.cache.pin(request.ids, full, last, self._private(request, full, last))
+        else:
+            self.cache.touch(request.ids, full, last)
         duration = self.cost.prefill_ms(request.input_tokens, hit)
         self.prefilling = True
         self.running += 1
@@ -131,5 +161,8 @@ class Replica:
         return step * max(0, request.output_tokens - 1)
 
     def finish(self, request: SimRequest) -> None:
+        if isinstance(self.cache, KVPool):
+            full, last = cache_units(request, self.cost.kv_block_tokens)
+            self.cache.release(request.ids, self._private(request, full, last))
         self.running -= 1
         self.running_tokens -= request.input_tokens + request.output_tokens
