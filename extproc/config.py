@@ -303,7 +303,9 @@ class RoutingConfig(_Strict):
         "rate (requests it finishes per second), not by the prefills of its waiting requests",
     )
     kv_saturated_fraction: float = Field(
-        default=0.98,
+        # 0.98 until item 25 (docs/benchmarks.md): a cache a little short of full still takes
+        # new sessions, whose wait for memory kv_blocked_fraction prices.
+        default=1.0,
         gt=0,
         le=1,
         description="reported KV usage at which an endpoint takes no new sessions while others can",
