@@ -13,20 +13,28 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 
-class ChunkLRU:
-    """Bounded LRU of chunk id → held units; ``used`` is the sum of held units."""
+def _tail_first(ids: Sequence[int], full: int, last: int) -> Iterator[tuple[int, int]]:
+    """(chunk, units it needs), last chunk first: both caches touch chains in that order so
+    that eviction takes them from the tail."""
+    final = len(ids) - 1
+    for i in range(final, -1, -1):
+        yield ids[i], last if i == final else full
+
+
+class _HeldChunks:
+    """Chunk id → held units, and the longest held prefix of a chain: what both caches share."""
 
     __slots__ = ("_held", "capacity", "used")
 
-    def __init__(self, capacity: float = math.inf) -> None:
+    def __init__(self, capacity: float, held: dict[int, int]) -> None:
         if capacity <= 0:
             raise ValueError("capacity must be > 0")
         self.capacity = capacity
         self.used = 0
-        self._held: OrderedDict[int, int] = OrderedDict()
+        self._held = held
 
     def __len__(self) -> int:
         return len(self._held)
@@ -49,14 +57,21 @@ class ChunkLRU:
             total += need
         return total
 
+
+class ChunkLRU(_HeldChunks):
+    """Bounded LRU of chunk id → held units; ``used`` is the sum of held units."""
+
+    __slots__ = ()
+    _held: OrderedDict[int, int]
+
+    def __init__(self, capacity: float = math.inf) -> None:
+        super().__init__(capacity, OrderedDict())
+
     def touch(self, ids: Sequence[int], full: int, last: int) -> None:
         """Insert or refresh the chunks (last to first), then evict down to capacity."""
         held = self._held
         move = held.move_to_end
-        final = len(ids) - 1
-        for i in range(final, -1, -1):
-            chunk = ids[i]
-            need = last if i == final else full
+        for chunk, need in _tail_first(ids, full, last):
             have = held.get(chunk)
             if have is None:
                 held[chunk] = need
@@ -71,7 +86,7 @@ class ChunkLRU:
             self.used -= units
 
 
-class KVPool:
+class KVPool(_HeldChunks):
     """vLLM's one KV block pool: what a model server really holds, as the replicas use it.
 
     A running request pins the chunks of its prompt; a chunk two running requests share is
@@ -84,38 +99,13 @@ class KVPool:
     vLLM exports as KV-cache usage; ``used`` adds the free cached chunks.
     """
 
-    __slots__ = ("_free", "_held", "_refs", "capacity", "pinned", "used")
+    __slots__ = ("_free", "_refs", "pinned")
 
     def __init__(self, capacity: float) -> None:
-        if capacity <= 0:
-            raise ValueError("capacity must be > 0")
-        self.capacity = capacity
+        super().__init__(capacity, {})  # chunk -> units held, pinned or free
         self.pinned = 0
-        self.used = 0
-        self._held: dict[int, int] = {}  # chunk -> units held
         self._refs: dict[int, int] = {}  # chunk -> running requests using it (> 0 only)
         self._free: OrderedDict[int, None] = OrderedDict()  # unpinned chunks, evicted first
-
-    def __len__(self) -> int:
-        return len(self._held)
-
-    def __contains__(self, chunk: int) -> bool:
-        return chunk in self._held
-
-    def match(self, ids: Sequence[int], full: int, last: int) -> int:
-        """Units of the longest held prefix (pinned or free), as ChunkLRU.match."""
-        held = self._held
-        final = len(ids) - 1
-        total = 0
-        for i, chunk in enumerate(ids):
-            have = held.get(chunk)
-            if have is None:
-                break
-            need = last if i == final else full
-            if have < need:
-                return total + have
-            total += need
-        return total
 
     def pin_cost(self, ids: Sequence[int], full: int, last: int, private: int) -> int:
         """Units ``pin`` would add to ``pinned``: what admitting the request takes from the
@@ -133,10 +123,7 @@ class KVPool:
         """A request starts: hold its chunks (adding the missing ones) and its private units,
         then evict free chunks down to capacity."""
         held, refs, free = self._held, self._refs, self._free
-        final = len(ids) - 1
-        for i in range(final, -1, -1):
-            chunk = ids[i]
-            need = last if i == final else full
+        for chunk, need in _tail_first(ids, full, last):
             have = held.get(chunk)
             if have is None:
                 held[chunk] = need
