@@ -83,9 +83,8 @@ class Replica:
         self.index = index
         self.capacity_tokens = capacity_tokens
         self.cost = cost
-        self.shared_pool = kv_pool == "shared"
         self.cache: KVPool | ChunkLRU = (
-            KVPool(capacity_tokens) if self.shared_pool else ChunkLRU(capacity_tokens)
+            KVPool(capacity_tokens) if kv_pool == "shared" else ChunkLRU(capacity_tokens)
         )
         self.waiting: deque[SimRequest] = deque()
         self.prefilling = False
