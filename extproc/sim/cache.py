@@ -111,10 +111,8 @@ class KVPool(_HeldChunks):
         """Units ``pin`` would add to ``pinned``: what admitting the request takes from the
         pool that running requests do not already hold."""
         held, refs = self._held, self._refs
-        final = len(ids) - 1
         extra = private
-        for i, chunk in enumerate(ids):
-            need = last if i == final else full
+        for chunk, need in _tail_first(ids, full, last):
             have = held.get(chunk, 0)
             extra += max(0, need - have) if chunk in refs else max(have, need)
         return extra
@@ -148,8 +146,7 @@ class KVPool(_HeldChunks):
     def release(self, ids: Sequence[int], private: int) -> None:
         """A request finished: its private units go; chunks nobody else runs become cache."""
         held, refs, free = self._held, self._refs, self._free
-        for i in range(len(ids) - 1, -1, -1):
-            chunk = ids[i]
+        for chunk in reversed(ids):  # tail first, as vLLM frees a sequence's blocks
             count = refs[chunk] - 1
             if count:
                 refs[chunk] = count
