@@ -144,9 +144,11 @@ def _add_kv_pool_argument(parser: argparse.ArgumentParser) -> None:
         choices=KV_POOLS,
         default="shared",
         help="replica memory: 'shared' is vLLM's one block pool (running requests' blocks, "
-        "shared prefixes once, and the prefix cache in --capacity-tokens); 'split' is the "
-        "model of the figures before item 24 (a prefix cache and a running budget, each "
-        "--capacity-tokens)",
+        "shared prefixes once, and the prefix cache in --capacity-tokens), each request's "
+        "output reserved at admission; 'preempt' is that pool with vLLM's allocation (output "
+        "blocks taken as generated, the newest running request preempted and recomputed "
+        "later when none is free); 'split' is the model of the figures before item 24 (a "
+        "prefix cache and a running budget, each --capacity-tokens)",
     )
 
 

@@ -152,6 +152,76 @@ def test_replica_rejects_an_unknown_memory_model() -> None:
         Replica(0, capacity_tokens=100, cost=CostModel(), kv_pool="paged")
 
 
+def test_preempt_admits_on_the_prompt_and_preempts_the_newest_when_output_needs_room() -> None:
+    """kv_pool="preempt", vLLM's allocation: two requests whose outputs the reserving pool
+    could not hold together are both admitted; when the older one's output needs a block the
+    pool lacks, the newer is preempted to the head of the queue, keeps what it generated,
+    and recomputes it (its prompt still cached) when admitted again."""
+    cost = CostModel()
+    older = SimRequest(0, 0.0, 32, 48, (1, 2), 16, 16)
+    newer = SimRequest(1, 0.0, 32, 48, (10, 11), 16, 16)
+    reserving = Replica(0, capacity_tokens=100, cost=cost, kv_pool="shared")
+    replica = Replica(0, capacity_tokens=100, cost=cost, kv_pool="preempt")
+    for r in (reserving, replica):
+        r.enqueue(older)
+        r.enqueue(newer)
+        r.start_prefill()
+        r.end_prefill(older)
+    assert not reserving.can_start()  # 32 + 48 each: 160 > 100
+    assert replica.can_start()  # prompt + first output block each: 96
+    replica.start_prefill()
+    step = replica.end_prefill(newer, now_ms=0.0)
+    assert replica.kv_usage() == pytest.approx(0.96)
+    # The older request's 17th token needs a second block: the newer one makes room.
+    assert replica.grow(older, 17, now_ms=16 * step)
+    assert replica.preemptions == 1 and list(replica.waiting) == [newer]
+    assert replica.running == 1 and replica.kv_usage() == pytest.approx(0.64)
+    assert replica.progress[1].generated == 17  # decoded 16 more tokens after its first
+    assert replica.cached_tokens(newer) == 32  # its prompt stays as prefix cache
+    assert not replica.can_start()  # 64 + 32 more (its 17 tokens' two blocks) > 100
+    assert replica.grow(older, 33, now_ms=32 * step)
+    assert replica.cached_tokens(newer) == 16  # 80 pinned: the cache gave up its tail
+    assert replica.next_block(older) == 0  # its last block: it finishes next
+    replica.finish(older)
+    assert replica.kv_usage() == 0 and replica.can_start()
+    again, hit, ms = replica.start_prefill()
+    assert again is newer and hit == 0  # a recomputation is not counted as a request
+    assert replica.recomputed_tokens == 33 and ms == pytest.approx(cost.prefill_ms(49, 16))
+    assert replica.requests == 2 and replica.hit_tokens == 0
+
+
+def test_preempt_lets_a_request_running_alone_grow_past_the_pool() -> None:
+    replica = Replica(0, capacity_tokens=40, cost=CostModel(), kv_pool="preempt")
+    alone = SimRequest(0, 0.0, 32, 48, (1, 2), 16, 16)
+    replica.enqueue(alone)
+    replica.start_prefill()
+    replica.end_prefill(alone, now_ms=0.0)
+    assert replica.grow(alone, 17, now_ms=1.0) and replica.grow(alone, 33, now_ms=2.0)
+    assert replica.preemptions == 0 and replica.cache.pinned == 80
+    replica.finish(alone)
+    assert replica.cache.pinned == 0 and replica.cache.used <= 40
+
+
+@pytest.mark.parametrize("policy", ["ours", "round-robin", "sglang", "random"])
+def test_preempted_requests_are_all_served_with_one_first_token_each(policy: str) -> None:
+    """Long outputs in small pools: hundreds of preemptions, and still every request gets one
+    TTFT, hits are counted once (the replicas' counters agree), recomputation costs prefill
+    time, and the pools end empty of running requests."""
+    workload = PRESETS["small-shared-prefix"](seed=1, output_tokens=400, requests=300)
+    params = SimParams(replicas=2, capacity_tokens=3_000, seed=1, kv_pool="preempt")
+    result = simulate(workload, policy, params)
+    replicas = result.replicas
+    assert sum(x.preemptions for x in replicas) > 100
+    assert all(r.ttft_ms > 0 and r.ttft_ms >= r.queue_ms for r in result.records)
+    assert sum(r.hit_tokens for r in result.records) == sum(x.hit_tokens for x in replicas)
+    assert sum(x.requests for x in replicas) == len(workload.requests)
+    assert sum(x.prefill_ms for x in replicas) > sum(r.prefill_ms for r in result.records)
+    assert all(x.running == 0 and not x.waiting and not x.progress for x in replicas)
+    assert all(x.cache.pinned == 0 and x.cache.used <= 3_000 for x in replicas)
+    reserving = simulate(workload, policy, dataclasses.replace(params, kv_pool="shared"))
+    assert sum(x.preemptions for x in reserving.replicas) == 0
+
+
 def test_prefill_cost_matches_the_h200_calibration() -> None:
     cost = CostModel()
     assert cost.prefill_ms(16_384, 0) == pytest.approx(592, rel=0.05)

@@ -143,6 +143,12 @@ class KVPool(_HeldChunks):
         self.used += private
         self._evict()
 
+    def grow(self, private: int) -> None:
+        """A running request takes ``private`` more units (its next output block)."""
+        self.pinned += private
+        self.used += private
+        self._evict()
+
     def release(self, ids: Sequence[int], private: int) -> None:
         """A request finished: its private units go; chunks nobody else runs become cache."""
         held, refs, free = self._held, self._refs, self._free

@@ -17,7 +17,7 @@ from .policies import PolicyContext, make_policy
 from .replica import CostModel, Replica, cache_units
 from .workloads import SimRequest, Workload
 
-ARRIVAL, PREFILL_DONE, FINISH = 0, 1, 2
+ARRIVAL, PREFILL_DONE, FINISH, GROW = 0, 1, 2, 3
 
 
 @dataclass(frozen=True)
@@ -36,8 +36,9 @@ class SimParams:
     share_queues: bool = False
     # ... and the placements each makes (what went where), into each other's indexes.
     share_placements: bool = False
-    # The replicas' memory model (replica.py): "shared", vLLM's one block pool, or "split",
-    # the model of the figures before item 24.
+    # The replicas' memory model (replica.py): "shared", vLLM's one block pool; "preempt",
+    # the same pool with output blocks taken as generated and preemption when it is full;
+    # or "split", the model of the figures before item 24.
     kv_pool: str = "shared"
 
 
@@ -99,31 +100,51 @@ def simulate(
     router = make_policy(policy, ctx, params.router_replicas, chunk_tokens)
     records = [RequestRecord() for _ in requests]
     handles: dict[int, object] = {}
-    heap: list[tuple[float, int, int, SimRequest]] = []
+    # (time ms, sequence, kind, request, the request's epoch, GROW's output token)
+    heap: list[tuple[float, int, int, SimRequest, int, int]] = []
     seq = 0
     for request in requests:
-        heap.append((request.arrival_s * 1000.0, seq, ARRIVAL, request))
+        heap.append((request.arrival_s * 1000.0, seq, ARRIVAL, request, 0, 0))
         seq += 1
     heapq.heapify(heap)
+    started: set[int] = set()
+
+    def push(at: float, kind: int, request: SimRequest, replica: Replica, token: int = 0) -> None:
+        nonlocal seq
+        heapq.heappush(heap, (at, seq, kind, request, replica.epoch(request), token))
+        seq += 1
 
     def try_start(replica: Replica, now: float) -> None:
-        nonlocal seq
-        if not replica.can_start():
-            return
-        request, hit, duration = replica.start_prefill()
-        record = records[request.rid]
-        record.hit_tokens = hit
-        record.queue_ms = now - request.arrival_s * 1000.0
-        record.prefill_ms = duration
-        heapq.heappush(heap, (now + duration, seq, PREFILL_DONE, request))
-        seq += 1
+        while replica.can_start():
+            request, hit, duration = replica.start_prefill()
+            if request.rid not in started:  # not a preempted request's recomputation
+                started.add(request.rid)
+                record = records[request.rid]
+                record.hit_tokens = hit
+                record.queue_ms = now - request.arrival_s * 1000.0
+                record.prefill_ms = duration
+            push(now + duration, PREFILL_DONE, request, replica)
+
+    def decode(replica: Replica, request: SimRequest, now: float) -> None:
+        """kv_pool="preempt": the request's next output block, or its end."""
+        state = replica.progress[request.rid]
+        token = replica.next_block(request)
+        if token:
+            push(now + (token - state.generated) * state.step_ms, GROW, request, replica, token)
+        else:
+            gap = (request.output_tokens - state.generated) * state.step_ms
+            push(now + max(0.0, gap), FINISH, request, replica)
 
     audit: dict[str, RuleAudit] = {}
     block_tokens = params.cost.kv_block_tokens
     arrived, now = 0, 0.0
     while heap:
-        now, _, kind, request = heapq.heappop(heap)
+        now, _, kind, request, epoch, token = heapq.heappop(heap)
         ctx.now = now / 1000.0
+        if kind != ARRIVAL:
+            replica = replicas[records[request.rid].replica]
+            if replica.preempts and epoch != replica.epoch(request):
+                continue  # the request was preempted since: it is queued again
         if kind == ARRIVAL:
             if params.audit:
                 full, last = cache_units(request, block_tokens)
@@ -144,16 +165,21 @@ def simulate(
             if progress is not None and arrived % 256 == 0:
                 progress(256)
         elif kind == PREFILL_DONE:
-            replica = replicas[records[request.rid].replica]
             # No signal to the router: a streamed response's headers came at admission and
             # a non-streamed one's come at the end (server.py, Router.prefill_done).
-            records[request.rid].ttft_ms = now - request.arrival_s * 1000.0
-            decode = replica.end_prefill(request)
-            heapq.heappush(heap, (now + decode, seq, FINISH, request))
-            seq += 1
+            if not records[request.rid].ttft_ms:  # a recomputation's end is not a first token
+                records[request.rid].ttft_ms = now - request.arrival_s * 1000.0
+            if replica.preempts:
+                replica.end_prefill(request, now)
+                decode(replica, request, now)
+            else:
+                push(now + replica.end_prefill(request), FINISH, request, replica)
+            try_start(replica, now)
+        elif kind == GROW:
+            if replica.grow(request, token, now):
+                decode(replica, request, now)
             try_start(replica, now)
         else:
-            replica = replicas[records[request.rid].replica]
             replica.finish(request)
             router.finish(handles.pop(request.rid))
             try_start(replica, now)

@@ -21,6 +21,15 @@ evicted when the pool needs room (cache.KVPool). A request is admitted when what
 the pinned units fits. ``kv_pool="split"`` is the model of every figure before item 24: a
 prefix cache of ``capacity_tokens`` and, beside it, running requests' whole prompts and
 outputs (shared prefixes once per request) in a second budget of the same size.
+
+``kv_pool="preempt"`` is the shared pool with vLLM's allocation: a request is admitted on
+its prompt and first output block only, each further block of ``kv_block_tokens`` output
+tokens is taken as it is generated, and when the pool has none free the most recently
+admitted running request is preempted (vLLM V1's FCFS ``running.pop()``): its blocks are
+released (its prompt stays as prefix cache), it goes back to the head of the queue, and
+when it is admitted again it recomputes its prompt and the output it had, then goes on.
+The engine drives it: ``grow`` at every output block, ``epoch`` to drop the events of a
+request that was preempted since they were scheduled.
 """
 
 from __future__ import annotations
@@ -62,7 +71,22 @@ class CostModel:
         return asdict(self)
 
 
-KV_POOLS = ("shared", "split")
+KV_POOLS = ("shared", "split", "preempt")
+
+
+@dataclass(slots=True)
+class Progress:
+    """A request under kv_pool="preempt": how far it got and what it holds of the pool."""
+
+    request: SimRequest
+    generated: int = 0  # output tokens produced so far (0 until its first prefill ends)
+    private: int = 0  # units pinned beside its prompt chunks: partial block + output blocks
+    epoch: int = 0  # bumped at every preemption; older events of the request are stale
+    prefilling: bool = False
+    first_token: bool = False  # its first prefill ended (TTFT recorded)
+    started: bool = False  # admitted at least once (counted in the replica's counters)
+    step_ms: float = 0.0  # decode step of its current run
+    at_ms: float = 0.0  # when it had produced ``generated`` tokens
 
 
 def cache_units(request: SimRequest, block_tokens: int) -> tuple[int, int]:
@@ -84,8 +108,13 @@ class Replica:
         self.capacity_tokens = capacity_tokens
         self.cost = cost
         self.cache: KVPool | ChunkLRU = (
-            KVPool(capacity_tokens) if kv_pool == "shared" else ChunkLRU(capacity_tokens)
+            ChunkLRU(capacity_tokens) if kv_pool == "split" else KVPool(capacity_tokens)
         )
+        # kv_pool="preempt": running requests in admission order (the last is preempted
+        # first), and every request admitted and not finished, running or queued again.
+        self.preempts = kv_pool == "preempt"
+        self.admitted: dict[int, Progress] = {}
+        self.progress: dict[int, Progress] = {}
         self.waiting: deque[SimRequest] = deque()
         self.prefilling = False
         self.running = 0  # prefilling + decoding sequences
@@ -96,6 +125,8 @@ class Replica:
         self.hit_tokens = 0
         self.prefill_ms = 0.0
         self.peak_in_flight = 0
+        self.preemptions = 0
+        self.recomputed_tokens = 0
 
     @property
     def in_flight(self) -> int:
@@ -110,6 +141,19 @@ class Replica:
         """Units only this request can use: its output and the tail short of a whole block."""
         shared = full * (len(request.ids) - 1) + last
         return request.input_tokens - shared + request.output_tokens
+
+    def _admission_private(self, request: SimRequest, full: int, last: int) -> int:
+        """kv_pool="preempt": the private units a request is admitted with: the partial block
+        of its prompt, the output blocks it had (after a preemption), or its first one."""
+        tail = self._private(request, full, last) - request.output_tokens
+        state = self.progress.get(request.rid)
+        generated = state.generated if state is not None else 0
+        return tail + self._output_units(request, max(1, generated))
+
+    def _output_units(self, request: SimRequest, generated: int) -> int:
+        """Units of the output blocks ``generated`` tokens occupy (the last one whole)."""
+        block = self.cost.kv_block_tokens
+        return min(request.output_tokens, -(-generated // block) * block)
 
     def cached_tokens(self, request: SimRequest) -> int:
         full, last = cache_units(request, self.cost.kv_block_tokens)
@@ -129,38 +173,122 @@ class Replica:
         head = self.waiting[0]
         if isinstance(self.cache, KVPool):
             full, last = cache_units(head, self.cost.kv_block_tokens)
-            need = self.cache.pin_cost(head.ids, full, last, self._private(head, full, last))
+            private = (
+                self._admission_private(head, full, last)
+                if self.preempts
+                else self._private(head, full, last)
+            )
+            need = self.cache.pin_cost(head.ids, full, last, private)
             return self.cache.pinned + need <= self.capacity_tokens
         need = head.input_tokens + head.output_tokens
         return self.running_tokens + need <= self.capacity_tokens
 
     def start_prefill(self) -> tuple[SimRequest, int, float]:
-        """Admit the head of the queue: look up and refresh its prefix; (request, hit, ms)."""
+        """Admit the head of the queue: look up and refresh its prefix; (request, hit, ms).
+        Under kv_pool="preempt" a preempted request's recomputation is not counted as a new
+        request (hit 0 is returned for it: its hit was counted at its first admission)."""
         request = self.waiting.popleft()
         full, last = cache_units(request, self.cost.kv_block_tokens)
         hit = self.cache.match(request.ids, full, last)
-        if isinstance(self.cache, KVPool):
+        tokens, first = request.input_tokens, True
+        if self.preempts:
+            state = self.progress.setdefault(request.rid, Progress(request))
+            first = not state.started
+            state.started = True
+            state.prefilling = True
+            state.private = self._admission_private(request, full, last)
+            # A preempted request recomputes its prompt and the output it had produced.
+            tokens += state.generated
+            if not first:
+                self.recomputed_tokens += tokens - hit
+            self.cache.pin(request.ids, full, last, state.private)
+            self.admitted[request.rid] = state
+        elif isinstance(self.cache, KVPool):
             self.cache.pin(request.ids, full, last, self._private(request, full, last))
         else:
             self.cache.touch(request.ids, full, last)
-        duration = self.cost.prefill_ms(request.input_tokens, hit)
+        duration = self.cost.prefill_ms(tokens, hit)
         self.prefilling = True
         self.running += 1
         self.running_tokens += request.input_tokens + request.output_tokens
-        self.requests += 1
-        self.prompt_tokens += request.input_tokens
-        self.hit_tokens += hit
         self.prefill_ms += duration
-        return request, hit, duration
+        if first:
+            self.requests += 1
+            self.prompt_tokens += request.input_tokens
+            self.hit_tokens += hit
+        return request, hit if first else 0, duration
 
-    def end_prefill(self, request: SimRequest) -> float:
-        """The request's first token is out; returns its decode duration in ms."""
+    def end_prefill(self, request: SimRequest, now_ms: float = 0.0) -> float:
+        """The request's first token is out; returns its decode duration in ms (under
+        kv_pool="preempt", its decode step: the engine schedules its blocks by it)."""
         self.prefilling = False
         step = self.cost.decode_step_ms(self.running, self.running_tokens)
+        if self.preempts:
+            state = self.progress[request.rid]
+            state.prefilling = False
+            state.first_token = True
+            state.generated = max(1, state.generated)
+            state.step_ms = step
+            state.at_ms = now_ms
+            return step
         return step * max(0, request.output_tokens - 1)
 
+    def next_block(self, request: SimRequest) -> int:
+        """kv_pool="preempt": the output token that needs a new block next (0: none, the
+        request finishes at its last token)."""
+        state = self.progress[request.rid]
+        block = self.cost.kv_block_tokens
+        after = -(-state.generated // block) * block + 1
+        return after if after <= request.output_tokens else 0
+
+    def grow(self, request: SimRequest, generated: int, now_ms: float) -> bool:
+        """kv_pool="preempt": the request produced token ``generated``, which needs a new
+        output block. Take it, preempting the most recently admitted running requests while
+        the pool has none free; False if the request itself was preempted (it was the newest).
+        A request running alone grows past the pool rather than preempt itself."""
+        state = self.progress[request.rid]
+        state.generated = generated
+        state.at_ms = now_ms
+        need = self._output_units(request, generated) - self._output_units(request, generated - 1)
+        pool = self.cache
+        assert isinstance(pool, KVPool)
+        while pool.pinned + need > self.capacity_tokens and self.running > 1:
+            victim = next(reversed(self.admitted.values()))
+            self._preempt(victim, now_ms)
+            if victim is state:
+                return False
+        state.private += need
+        pool.grow(need)
+        return True
+
+    def _preempt(self, state: Progress, now_ms: float) -> None:
+        request = state.request
+        if state.first_token and not state.prefilling and state.step_ms > 0:
+            # The tokens it decoded since its last block: recomputed, not lost.
+            done = int((now_ms - state.at_ms) / state.step_ms)
+            state.generated = min(request.output_tokens, state.generated + max(0, done))
+        del self.admitted[request.rid]
+        self.cache.release(request.ids, state.private)  # type: ignore[union-attr]
+        state.private = 0
+        state.epoch += 1
+        if state.prefilling:
+            state.prefilling = False
+            self.prefilling = False
+        self.running -= 1
+        self.running_tokens -= request.input_tokens + request.output_tokens
+        self.waiting.appendleft(request)
+        self.preemptions += 1
+
+    def epoch(self, request: SimRequest) -> int:
+        state = self.progress.get(request.rid)
+        return state.epoch if state is not None else 0
+
     def finish(self, request: SimRequest) -> None:
-        if isinstance(self.cache, KVPool):
+        if self.preempts:
+            state = self.progress.pop(request.rid)
+            del self.admitted[request.rid]
+            self.cache.release(request.ids, state.private)  # type: ignore[union-attr]
+        elif isinstance(self.cache, KVPool):
             full, last = cache_units(request, self.cost.kv_block_tokens)
             self.cache.release(request.ids, self._private(request, full, last))
         self.running -= 1
