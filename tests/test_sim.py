@@ -190,6 +190,32 @@ def test_preempt_admits_on_the_prompt_and_preempts_the_newest_when_output_needs_
     assert replica.requests == 2 and replica.hit_tokens == 0
 
 
+def test_preempt_during_a_prefill_leaves_nothing_of_it_cached() -> None:
+    """A request preempted before its prefill ended computed nothing that later requests (or
+    its own recomputation) could reuse; the part of its prompt cached before stays, and the
+    events of a finished request are all stale."""
+    replica = Replica(0, capacity_tokens=120, cost=CostModel(), kv_pool="preempt")
+    first = SimRequest(0, 0.0, 32, 16, (1, 2), 16, 16)
+    replica.enqueue(first)
+    replica.start_prefill()
+    replica.end_prefill(first, now_ms=0.0)
+    assert replica.epoch(first) == 0
+    replica.finish(first)  # (1, 2) cached
+    assert replica.epoch(first) == -1
+    older = SimRequest(1, 0.0, 32, 48, (20, 21), 16, 16)
+    newer = SimRequest(2, 0.0, 48, 48, (1, 2, 3), 16, 16)
+    for request in (older, newer):
+        replica.enqueue(request)
+    replica.start_prefill()
+    replica.end_prefill(older, now_ms=0.0)
+    _, hit, _ = replica.start_prefill()  # newer: (1, 2) cached, chunk 3 being computed
+    assert hit == 32 and replica.prefilling and replica.cached_tokens(newer) == 48
+    assert replica.grow(older, 17, now_ms=1.0)  # 112 + 16 > 120: the newest goes
+    assert replica.preemptions == 1 and not replica.prefilling
+    assert replica.cached_tokens(newer) == 32  # chunk 3 was never computed
+    assert replica.epoch(newer) == 1 and list(replica.waiting) == [newer]
+
+
 def test_preempt_lets_a_request_running_alone_grow_past_the_pool() -> None:
     replica = Replica(0, capacity_tokens=40, cost=CostModel(), kv_pool="preempt")
     alone = SimRequest(0, 0.0, 32, 48, (1, 2), 16, 16)

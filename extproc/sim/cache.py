@@ -164,6 +164,15 @@ class KVPool(_HeldChunks):
         self.used -= private
         self._evict()  # a request larger than the pool (admitted alone) leaves the excess
 
+    def forget(self, ids: Sequence[int]) -> None:
+        """Drop the chunks of ``ids`` that no running request pins: a prefill stopped before
+        its end (a preempted request) computed none of them."""
+        held, refs, free = self._held, self._refs, self._free
+        for chunk in ids:
+            if chunk in held and chunk not in refs:
+                del free[chunk]
+                self.used -= held.pop(chunk)
+
     def _evict(self) -> None:
         held, free = self._held, self._free
         while self.used > self.capacity and free:

@@ -85,6 +85,7 @@ class Progress:
     prefilling: bool = False
     first_token: bool = False  # its first prefill ended (TTFT recorded)
     started: bool = False  # admitted at least once (counted in the replica's counters)
+    cached_chunks: int = 0  # leading prompt chunks cached when its prefill started
     step_ms: float = 0.0  # decode step of its current run
     at_ms: float = 0.0  # when it had produced ``generated`` tokens
 
@@ -201,6 +202,8 @@ class Replica:
             tokens += state.generated
             if not first:
                 self.recomputed_tokens += tokens - hit
+            whole = hit == full * (len(request.ids) - 1) + last
+            state.cached_chunks = len(request.ids) if whole else hit // max(1, full)
             self.cache.pin(request.ids, full, last, state.private)
             self.admitted[request.rid] = state
         elif isinstance(self.cache, KVPool):
@@ -268,10 +271,15 @@ class Replica:
             done = int((now_ms - state.at_ms) / state.step_ms)
             state.generated = min(request.output_tokens, state.generated + max(0, done))
         del self.admitted[request.rid]
-        self.cache.release(request.ids, state.private)  # type: ignore[union-attr]
+        pool = self.cache
+        assert isinstance(pool, KVPool)
+        pool.release(request.ids, state.private)
         state.private = 0
         state.epoch += 1
         if state.prefilling:
+            # Stopped mid-prefill: what it was computing is not cached (the sim's prefill is
+            # one step, so none of it).
+            pool.forget(request.ids[state.cached_chunks :])
             state.prefilling = False
             self.prefilling = False
         self.running -= 1
@@ -280,8 +288,9 @@ class Replica:
         self.preemptions += 1
 
     def epoch(self, request: SimRequest) -> int:
+        """The request's preemption count; -1 once it finished (every event left is stale)."""
         state = self.progress.get(request.rid)
-        return state.epoch if state is not None else 0
+        return state.epoch if state is not None else -1
 
     def finish(self, request: SimRequest) -> None:
         if self.preempts:
