@@ -23,7 +23,7 @@ from .sim import grid as sim_grid
 from .sim.engine import SimParams, simulate
 from .sim.grid import CAPACITIES
 from .sim.policies import ALL_POLICIES, BOUNDS, ideal_hit_ratio
-from .sim.replica import KV_POOLS, CostModel
+from .sim.replica import DEFAULT_KV_POOL, KV_POOLS, CostModel
 from .sim.report import PEERS_LINE, audit_table, plot, summarize, table
 from .sim.workloads import PRESETS, Workload, load_mooncake
 
@@ -142,12 +142,12 @@ def _add_kv_pool_argument(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--kv-pool",
         choices=KV_POOLS,
-        default="shared",
-        help="replica memory: 'shared' is vLLM's one block pool (running requests' blocks, "
-        "shared prefixes once, and the prefix cache in --capacity-tokens), each request's "
-        "output reserved at admission; 'preempt' is that pool with vLLM's allocation (output "
-        "blocks taken as generated, the newest running request preempted and recomputed "
-        "later when none is free); 'split' is the model of the figures before item 24 (a "
+        default=DEFAULT_KV_POOL,
+        help="replica memory: 'preempt' is vLLM's one block pool (running requests' blocks, "
+        "shared prefixes once, and the prefix cache in --capacity-tokens) with its allocation: "
+        "output blocks taken as generated, the newest running request preempted and "
+        "recomputed later when none is free; 'shared' is that pool with each output reserved "
+        "at admission (the figures of items 24-25); 'split' is the model before item 24 (a "
         "prefix cache and a running budget, each --capacity-tokens)",
     )
 

@@ -244,8 +244,10 @@ def test_preempted_requests_are_all_served_with_one_first_token_each(policy: str
     assert sum(x.prefill_ms for x in replicas) > sum(r.prefill_ms for r in result.records)
     assert all(x.running == 0 and not x.waiting and not x.progress for x in replicas)
     assert all(x.cache.pinned == 0 and x.cache.used <= 3_000 for x in replicas)
+    assert summarize(result, 1.0)["preemptions"] == sum(x.preemptions for x in replicas)
     reserving = simulate(workload, policy, dataclasses.replace(params, kv_pool="shared"))
     assert sum(x.preemptions for x in reserving.replicas) == 0
+    assert "preemptions" not in summarize(reserving, 1.0)
 
 
 def test_prefill_cost_matches_the_h200_calibration() -> None:

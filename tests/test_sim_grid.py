@@ -146,4 +146,4 @@ def test_grid_with_seeds_averages_draws_it_also_runs_alone(tmp_path) -> None:
             tmp_path, "mixed.json", "--peers-from", str(tmp_path / "one.json"), "--kv-pool", "split"
         )
     assert "same --kv-pool" in str(error.value)
-    assert one["kv_pool"] == "shared"
+    assert one["kv_pool"] == "preempt"

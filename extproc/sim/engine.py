@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from ..config import RoutingConfig
 from ..scheduler import CostModel as RouterCostModel
 from .policies import PolicyContext, make_policy
-from .replica import CostModel, Replica, cache_units
+from .replica import DEFAULT_KV_POOL, CostModel, Replica, cache_units
 from .workloads import SimRequest, Workload
 
 ARRIVAL, PREFILL_DONE, FINISH, GROW = 0, 1, 2, 3
@@ -36,10 +36,10 @@ class SimParams:
     share_queues: bool = False
     # ... and the placements each makes (what went where), into each other's indexes.
     share_placements: bool = False
-    # The replicas' memory model (replica.py): "shared", vLLM's one block pool; "preempt",
-    # the same pool with output blocks taken as generated and preemption when it is full;
-    # or "split", the model of the figures before item 24.
-    kv_pool: str = "shared"
+    # The replicas' memory model (replica.py): "preempt", vLLM's one block pool with output
+    # blocks taken as generated and preemption when it is full; "shared", the same pool with
+    # each output reserved at admission (items 24-25); "split", the model before item 24.
+    kv_pool: str = DEFAULT_KV_POOL
 
 
 @dataclass(slots=True)

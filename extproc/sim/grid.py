@@ -27,7 +27,7 @@ from typing import Any
 from ..config import RoutingConfig
 from .engine import SimParams, simulate
 from .policies import ALL_POLICIES, BOUNDS, ideal_hit_ratio
-from .replica import CostModel
+from .replica import DEFAULT_KV_POOL, CostModel
 from .report import summarize
 from .workloads import PRESETS, Workload, load_mooncake
 
@@ -105,7 +105,7 @@ def run_one(
     share_queues: bool = False,
     share_placements: bool = False,
     seed: int = 0,
-    kv_pool: str = "shared",
+    kv_pool: str = DEFAULT_KV_POOL,
 ) -> tuple[Cell, str, dict[str, Any]]:
     """One simulation (runs in a worker process; everything it takes is picklable)."""
     cost = CostModel()
@@ -163,7 +163,7 @@ def run_grid(
     share_queues: bool = False,
     share_placements: bool = False,
     seeds: Sequence[int] = (0,),
-    kv_pool: str = "shared",
+    kv_pool: str = DEFAULT_KV_POOL,
 ) -> dict[Cell, dict[str, dict[str, Any]]]:
     """Peers and bounds run at K=1 only (their K sweep is `simulate --sweep-k`'s job).
     ``done`` is called once per (cell, policy), when all its seeds have run."""
@@ -226,7 +226,7 @@ def from_json(rows: list[dict[str, Any]]) -> dict[Cell, dict[str, dict[str, Any]
 
 
 def load_peers(
-    path: str | os.PathLike[str], seeds: Sequence[int] = (0,), kv_pool: str = "shared"
+    path: str | os.PathLike[str], seeds: Sequence[int] = (0,), kv_pool: str = DEFAULT_KV_POOL
 ) -> dict[Cell, dict[str, dict[str, Any]]]:
     """The peers' figures from an earlier grid, which must have run the same seeds and memory
     model: means over other draws of the workloads, or on other replicas, are not comparable."""

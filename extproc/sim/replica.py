@@ -14,7 +14,7 @@ Time model (deliberately small; every constant is in CostModel and printed with 
   request's first token. Decode constants are a memory-bandwidth estimate, not measured.
 The cache holds prompt KV only (not generated tokens), in whole ``kv_block_tokens`` blocks.
 
-Memory, ``kv_pool="shared"`` (the default since item 24): one pool of ``capacity_tokens``,
+Memory, ``kv_pool="shared"`` (items 24-25): one pool of ``capacity_tokens``,
 as vLLM has — running requests pin their prompt chunks (a prefix they share is held once)
 plus their output and partial last block; what no running request uses is the prefix cache,
 evicted when the pool needs room (cache.KVPool). A request is admitted when what it adds to
@@ -22,7 +22,7 @@ the pinned units fits. ``kv_pool="split"`` is the model of every figure before i
 prefix cache of ``capacity_tokens`` and, beside it, running requests' whole prompts and
 outputs (shared prefixes once per request) in a second budget of the same size.
 
-``kv_pool="preempt"`` is the shared pool with vLLM's allocation: a request is admitted on
+``kv_pool="preempt"`` (the default since item 26) is the shared pool with vLLM's allocation: a request is admitted on
 its prompt and first output block only, each further block of ``kv_block_tokens`` output
 tokens is taken as it is generated, and when the pool has none free the most recently
 admitted running request is preempted (vLLM V1's FCFS ``running.pop()``): its blocks are
@@ -72,6 +72,8 @@ class CostModel:
 
 
 KV_POOLS = ("shared", "split", "preempt")
+# vLLM's allocation (item 26); "shared" reproduces the figures of items 24-25, "split" older.
+DEFAULT_KV_POOL = "preempt"
 
 
 @dataclass(slots=True)
@@ -101,7 +103,11 @@ class Replica:
     """KV cache + queues + counters of one model server."""
 
     def __init__(
-        self, index: int, capacity_tokens: int, cost: CostModel, kv_pool: str = "shared"
+        self,
+        index: int,
+        capacity_tokens: int,
+        cost: CostModel,
+        kv_pool: str = DEFAULT_KV_POOL,
     ) -> None:
         if kv_pool not in KV_POOLS:
             raise ValueError(f"kv_pool must be one of {KV_POOLS}, not {kv_pool!r}")

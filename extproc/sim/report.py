@@ -40,6 +40,10 @@ def summarize(result: RunResult, ideal_hit_ratio: float) -> dict[str, Any]:
         "requests": len(records),
         "simulated_s": round(result.sim_seconds, 1),
     }
+    if result.params.kv_pool == "preempt":
+        # How often vLLM's allocation ran out of blocks, and the prefill it cost again.
+        summary["preemptions"] = sum(r.preemptions for r in result.replicas)
+        summary["recomputed_tokens"] = sum(r.recomputed_tokens for r in result.replicas)
     if result.rules:
         summary["rules"] = dict(sorted(result.rules.items()))
     if result.audit:
