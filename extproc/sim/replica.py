@@ -22,14 +22,15 @@ the pinned units fits. ``kv_pool="split"`` is the model of every figure before i
 prefix cache of ``capacity_tokens`` and, beside it, running requests' whole prompts and
 outputs (shared prefixes once per request) in a second budget of the same size.
 
-``kv_pool="preempt"`` (the default since item 26) is the shared pool with vLLM's allocation: a request is admitted on
-its prompt and first output block only, each further block of ``kv_block_tokens`` output
-tokens is taken as it is generated, and when the pool has none free the most recently
-admitted running request is preempted (vLLM V1's FCFS ``running.pop()``): its blocks are
-released (its prompt stays as prefix cache), it goes back to the head of the queue, and
-when it is admitted again it recomputes its prompt and the output it had, then goes on.
+``kv_pool="preempt"`` (the default since item 26) is the shared pool with vLLM's
+allocation: a request is admitted on its prompt and first output block only, each further
+block of ``kv_block_tokens`` output tokens is taken as it is generated, and when the pool
+has none free the most recently admitted running request is preempted (vLLM V1's FCFS
+``running.pop()``): its blocks are released (its prompt stays as prefix cache, except what
+a prefill it was in the middle of had not computed), it goes back to the head of the queue,
+and when it is admitted again it recomputes its prompt and the output it had, then goes on.
 The engine drives it: ``grow`` at every output block, ``epoch`` to drop the events of a
-request that was preempted since they were scheduled.
+request that was preempted (or finished) since they were scheduled.
 """
 
 from __future__ import annotations
