@@ -86,10 +86,8 @@ class Progress:
     private: int = 0  # units pinned beside its prompt chunks: partial block + output blocks
     epoch: int = 0  # bumped at every preemption; older events of the request are stale
     prefilling: bool = False
-    first_token: bool = False  # its first prefill ended (TTFT recorded)
-    started: bool = False  # admitted at least once (counted in the replica's counters)
     cached_chunks: int = 0  # leading prompt chunks cached when its prefill started
-    step_ms: float = 0.0  # decode step of its current run
+    step_ms: float = 0.0  # decode step of its current run (0 until its first prefill ends)
     at_ms: float = 0.0  # when it had produced ``generated`` tokens
 
 
@@ -200,9 +198,9 @@ class Replica:
         hit = self.cache.match(request.ids, full, last)
         tokens, first = request.input_tokens, True
         if self.preempts:
+            # Admitted before (counted in the replica's counters) while it has progress.
+            first = request.rid not in self.progress
             state = self.progress.setdefault(request.rid, Progress(request))
-            first = not state.started
-            state.started = True
             state.prefilling = True
             state.private = self._admission_private(request, full, last)
             # A preempted request recomputes its prompt and the output it had produced.
@@ -236,7 +234,6 @@ class Replica:
         if self.preempts:
             state = self.progress[request.rid]
             state.prefilling = False
-            state.first_token = True
             state.generated = max(1, state.generated)
             state.step_ms = step
             state.at_ms = now_ms
@@ -273,7 +270,7 @@ class Replica:
 
     def _preempt(self, state: Progress, now_ms: float) -> None:
         request = state.request
-        if state.first_token and not state.prefilling and state.step_ms > 0:
+        if not state.prefilling and state.step_ms > 0:
             # The tokens it decoded since its last block: recomputed, not lost.
             done = int((now_ms - state.at_ms) / state.step_ms)
             state.generated = min(request.output_tokens, state.generated + max(0, done))
