@@ -12,9 +12,9 @@ The price is approximation, in the same direction as the index already errs (it 
 at the endpoint's real cache): eviction is least-recently-used within a bucket, not across
 the endpoint, so a chain can lose a middle block before its tail, and two blocks whose
 fingerprints (32 bits) and buckets agree are confused. A match therefore bridges short
-holes and ends at GAP missing blocks in a row (see match_positions), found with a galloping
-search done for all endpoints at once, so a decision costs a fixed number of numpy
-operations whatever the endpoint count.
+holes and ends at GAP missing blocks in a row, more in a long chain (gap_for; see
+match_positions), found with a galloping search done for all endpoints at once, so a
+decision costs a fixed number of numpy operations whatever the endpoint count.
 """
 
 from __future__ import annotations
@@ -35,6 +35,20 @@ _SHIFT32 = np.uint64(32)
 _DIRECT_PAIRS = 4096
 # Missing blocks in a row that end a match (fewer are this index's own holes: match_positions).
 GAP = 4
+# A longer chain ends its match at a longer run: GAP, or one block in GAP_SPAN of the chain.
+GAP_SPAN = 64
+
+
+def gap_for(count: int) -> int:
+    """Missing blocks in a row that end the match of a chain of ``count`` blocks.
+
+    A chain the endpoint still holds loses scattered blocks in busy buckets; the longer the
+    chain, the likelier a run of GAP of them somewhere. A 16,000-token system prompt is
+    1,000 blocks of 64 bytes: with its endpoint's cache near full the index read 5 to 79
+    of them while the replica held all (simulated llm-d tiered shape, 4 replicas), and
+    the router moved its group to a cold replica. Chains under 5 x GAP_SPAN blocks (5,120
+    tokens at 64-byte blocks), the lengths GAP = 4 was measured on, keep it."""
+    return max(GAP, count // GAP_SPAN)
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,11 +73,11 @@ def split_hashes(hashes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return fingerprints, hashes & _LOW32
 
 
-def _gap_starts(missing: np.ndarray, room: np.ndarray | None = None) -> np.ndarray:
-    """Whether GAP missing blocks in a row start at each block (rows of ``missing``).
+def _gap_starts(missing: np.ndarray, gap: int, room: np.ndarray | None = None) -> np.ndarray:
+    """Whether ``gap`` missing blocks in a row start at each block (rows of ``missing``).
     Past the end of a row, or of ``room`` blocks from an element, counts as missing."""
     gaps = missing.copy()
-    for t in range(1, GAP):
+    for t in range(1, gap):
         following = np.ones_like(missing)
         following[:, :-t] = missing[:, t:]
         if room is not None:
@@ -169,34 +183,36 @@ class PrefixIndex:
 
     def match_positions(self, hashes: np.ndarray, positions: np.ndarray) -> np.ndarray:
         """Matched prefix length (blocks) of each endpoint at ``positions`` (int64 array):
-        the blocks before the first GAP consecutive missing ones.
+        the blocks before the first gap_for(len(hashes)) consecutive missing ones.
 
         Bucket-local eviction drops scattered blocks of a chain the endpoint still holds (a
         busy bucket), and keeps scattered blocks of a chain the endpoint evicted long ago (a
         quiet bucket). A model server evicts chains from the tail, so a short hole is this
-        index's error and is bridged, while GAP missing blocks in a row end the match.
+        index's error and is bridged, while a run of missing blocks ends the match (GAP,
+        or longer in a long chain: gap_for).
         Stopping at the first hole under-reads what the endpoint holds and costs hits;
         running to the last held block over-reads it and costs tail latency (GAP = 4 was the
         best of 1, 2, 3, 4 and "last held" in the simulator, docs/benchmarks.md).
         Beyond ``_DIRECT_PAIRS`` (endpoint, block) pairs it gallops: probes at blocks
         0, 1, 3, 7, ... for every endpoint at once; a missing probe p starts a gap when
-        blocks p .. p+GAP-1 are all missing; then every block between an endpoint's last
+        blocks p .. p+gap-1 are all missing; then every block between an endpoint's last
         probe before its first gap and that gap is checked.
         """
         count, endpoints = len(hashes), len(positions)
         if not count or not endpoints:
             return np.zeros(endpoints, dtype=np.int64)
+        gap_blocks = gap_for(count)
         fingerprints, keys = self._split(hashes)
         offsets = self._offsets[positions][:, None]
         sizes = self._sizes[positions][:, None]
         if count * endpoints <= _DIRECT_PAIRS:
-            gaps = _gap_starts(~self._held(offsets, sizes, fingerprints, keys))
+            gaps = _gap_starts(~self._held(offsets, sizes, fingerprints, keys), gap_blocks)
             return np.where(gaps.any(axis=1), gaps.argmax(axis=1), count)
         probes = _probes(count)
         width = len(probes)
         held = self._held(offsets, sizes, fingerprints[probes][None, :], keys[probes][None, :])
         # The first probe that starts a gap: a missing probe p is one when blocks
-        # p+1 .. p+GAP-1 are missing too; else it is a short hole, bridged, and the next
+        # p+1 .. p+gap-1 are missing too; else it is a short hole, bridged, and the next
         # missing probe is checked (rarely more than one round).
         first_gap = np.full(endpoints, width)
         pending = np.arange(endpoints)
@@ -208,7 +224,7 @@ class PrefixIndex:
             pending, probe = pending[has_missing], missing[has_missing].argmax(axis=1)
             if not len(pending):
                 break
-            window = probes[probe][:, None] + np.arange(1, GAP)  # the blocks after the probe
+            window = probes[probe][:, None] + np.arange(1, gap_blocks)  # the blocks after the probe
             inside = window < count
             window_held = self._held(
                 offsets[pending],
@@ -226,7 +242,7 @@ class PrefixIndex:
             return matched
         # Every block from the last probe without a gap to the end of the first gap.
         first = probes[first_gap[partial] - 1]
-        spans = np.minimum(probes[first_gap[partial]] + GAP, count) - first
+        spans = np.minimum(probes[first_gap[partial]] + gap_blocks, count) - first
         owners = np.repeat(partial, spans)
         starts = np.cumsum(spans) - spans
         blocks = np.arange(int(spans.sum())) + np.repeat(first - starts, spans)
@@ -234,7 +250,7 @@ class PrefixIndex:
             offsets[owners, 0], sizes[owners, 0], fingerprints[blocks], keys[blocks]
         )
         room = np.repeat(starts + spans, spans) - np.arange(len(blocks))  # blocks left in span
-        gaps = np.where(_gap_starts(missing[None, :], room)[0], blocks, count)
+        gaps = np.where(_gap_starts(missing[None, :], gap_blocks, room)[0], blocks, count)
         matched[partial] = np.minimum.reduceat(gaps, starts)
         return matched
 

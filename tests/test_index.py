@@ -5,7 +5,7 @@ import random
 import numpy as np
 import pytest
 
-from extproc.index import GAP, WAYS, PrefixIndex
+from extproc.index import GAP, GAP_SPAN, WAYS, PrefixIndex, gap_for
 
 
 def chain(rng: random.Random, length: int) -> np.ndarray:
@@ -56,6 +56,34 @@ def test_a_match_bridges_short_holes_and_ends_at_gap_missing_blocks():
     index = one(10_000)  # few blocks: looked up one by one
     index.record("a", np.delete(blocks[: GAP + 4], long_hole))  # the rest: stale survivors
     assert index.match(blocks, ["a"]) == {"a": 2}
+
+
+@pytest.mark.parametrize("direct_pairs", [0, 1_000_000], ids=["galloping", "direct"])
+def test_a_long_chain_bridges_longer_holes(monkeypatch, direct_pairs):
+    """A 1,000-block chain (a 16,000-token system prompt at 64-byte blocks) loses scattered
+    runs of GAP or more blocks in busy buckets while its endpoint holds it whole; a short
+    chain's match still ends at GAP."""
+    monkeypatch.setattr("extproc.index._DIRECT_PAIRS", direct_pairs)
+    rng = random.Random(11)
+    length = 1000
+    gap = gap_for(length)
+    assert gap == length // GAP_SPAN > GAP and gap_for(5 * GAP_SPAN - 1) == GAP
+    blocks = chain(rng, length)
+    holes = {i for start in range(50, length - gap, 97) for i in range(start, start + gap - 1)}
+    index = one(10_000)
+    index.record("a", blocks[[i for i in range(length) if i not in holes]])
+    assert index.match(blocks, ["a"]) == {"a": length}
+    index = one(10_000)  # the same holes, and the tail from block 500 evicted
+    index.record("a", blocks[[i for i in range(500) if i not in holes]])
+    assert index.match(blocks, ["a"]) == {"a": 500}
+    if direct_pairs:  # (galloping reads runs from its probes, the tail is what it finds)
+        index = one(10_000)
+        index.record("a", np.delete(blocks, range(500, 500 + gap)))
+        assert index.match(blocks, ["a"]) == {"a": 500}
+        short = blocks[:100]  # gap_for(100) == GAP: a run of GAP ends it
+        index = one(10_000)
+        index.record("a", np.delete(short, range(30, 30 + GAP)))
+        assert index.match(short, ["a"]) == {"a": 30}
 
 
 def test_a_request_never_evicts_its_own_blocks():
@@ -149,10 +177,11 @@ def test_lookup_agrees_with_a_linear_scan_for_every_endpoint(monkeypatch, direct
         query = np.concatenate([base[:query_length], chain(rng, rng.randint(0, 3))])
         expected = {}
         for e in endpoints:
-            # Past the end counts as missing: pad with GAP False.
+            # Past the end counts as missing: pad with gap False.
+            gap = gap_for(len(query))
             held = [i < query_length and i in holdings[e] for i in range(len(query))]
-            held += [False] * GAP
-            run = next(i for i in range(len(query) + 1) if not any(held[i : i + GAP]))
+            held += [False] * gap
+            run = next(i for i in range(len(query) + 1) if not any(held[i : i + gap]))
             if run:
                 expected[e] = run
         assert index.match(query, endpoints) == expected
