@@ -86,6 +86,21 @@ def test_a_long_chain_bridges_longer_holes(monkeypatch, direct_pairs):
         assert index.match(short, ["a"]) == {"a": 30}
 
 
+def test_a_long_prompt_is_read_whole_until_its_endpoint_would_have_evicted_it():
+    """A 1,000-block prompt, then other requests' blocks: an LRU cache of 20,000 blocks
+    holds it whole after 16,000 (the old run of 4 read 39 blocks of it), and none of it after
+    30,000, when the match must not run on through the blocks a quiet bucket kept."""
+    rng = random.Random(7)
+    for inserted_after, held in ((16_000, 1000), (30_000, None)):
+        index = one(20_000)
+        prompt = chain(rng, 1000)
+        index.record("a", prompt)
+        for _ in range(inserted_after // 250):
+            index.record("a", chain(rng, 250))
+        matched = index.match(prompt, ["a"]).get("a", 0)
+        assert matched == held if held else matched < 100
+
+
 def test_a_request_never_evicts_its_own_blocks():
     rng = random.Random(3)
     index = one(WAYS)
