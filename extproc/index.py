@@ -75,15 +75,15 @@ def split_hashes(hashes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 def _gap_starts(missing: np.ndarray, gap: int, room: np.ndarray | None = None) -> np.ndarray:
     """Whether ``gap`` missing blocks in a row start at each block (rows of ``missing``).
-    Past the end of a row, or of ``room`` blocks from an element, counts as missing."""
-    gaps = missing.copy()
-    for t in range(1, gap):
-        following = np.ones_like(missing)
-        following[:, :-t] = missing[:, t:]
-        if room is not None:
-            following |= room <= t
-        gaps &= following
-    return gaps
+    Past the end of a row, or of ``room`` blocks from an element, counts as missing.
+    A missing block starts one when the next held block is at least ``gap`` (or ``room``)
+    blocks on: a few array passes whatever the gap."""
+    width = missing.shape[-1]
+    where_held = np.where(missing, width + gap, np.arange(width))
+    next_held = np.minimum.accumulate(where_held[..., ::-1], axis=-1)[..., ::-1]
+    distance = next_held - np.arange(width)
+    limit = gap if room is None else np.minimum(gap, room)
+    return missing & (distance >= limit)
 
 
 def _bucket_rows(offsets: np.ndarray, sizes: np.ndarray, keys: np.ndarray) -> np.ndarray:
