@@ -94,6 +94,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     _add_share_queues_argument(sim)
     _add_kv_pool_argument(sim)
     sim.add_argument(
+        "--server-blocks",
+        action="store_true",
+        help="ours hashes prompts in its configured blocks (64 bytes), as a server does, not "
+        "one block per trace id (Mooncake: 512 tokens); slower, and its index then errs as "
+        "a server's does",
+    )
+    sim.add_argument(
         "--sweep-peers",
         action="store_true",
         help="with --sweep-k: also sweep ours with peers (router replicas reading each "
@@ -337,6 +344,7 @@ def simulate_command(args: argparse.Namespace) -> int:
         share_queues=args.share_queues,
         share_placements=args.share_placements,
         kv_pool=args.kv_pool,
+        server_blocks=args.server_blocks,
     )
     ks = _int_list("--sweep-k", args.sweep_k) if args.sweep_k else []
     swept = [n for n in names if n not in BOUNDS]
@@ -391,6 +399,7 @@ def simulate_command(args: argparse.Namespace) -> int:
             "share_queues": args.share_queues,
             "share_placements": args.share_placements,
             "kv_pool": args.kv_pool,
+            "server_blocks": args.server_blocks,
         },
         "wall_seconds": round(time.perf_counter() - started, 2),
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
@@ -404,6 +413,7 @@ def simulate_command(args: argparse.Namespace) -> int:
         f"workload {workload.name}: {len(requests)} requests, {prompt_tokens:,} prompt tokens; "
         f"{args.replicas} replicas x {args.capacity_tokens:,} KV tokens; "
         f"router replicas K={args.router_replicas}; seed {args.seed}; KV pool {args.kv_pool}"
+        + ("; ours in its configured blocks (--server-blocks)" if args.server_blocks else "")
     )
     print("cost model: " + ", ".join(f"{k}={v}" for k, v in cost.as_dict().items()))
     if routing:

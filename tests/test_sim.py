@@ -451,6 +451,52 @@ def test_cli_simulate_routing_overrides_reach_ours(tmp_path, capsys) -> None:
         run("--routing", "stickyness=2")
 
 
+def test_server_blocks_keep_ours_at_its_configured_block_size(tmp_path, capsys) -> None:
+    """By default ours hashes a Mooncake prompt one block per 512-token id (fast, exact
+    matches); --server-blocks keeps the server's 64-byte blocks, whose index errs as a
+    server's does (docs/benchmarks.md, item 27)."""
+    from extproc.sim.policies import PolicyContext, make_policy
+
+    def router_block_bytes(server_blocks: bool) -> int:
+        ctx = PolicyContext(
+            replicas=[Replica(i, 100_000, CostModel()) for i in range(2)],
+            rng=random.Random(0),
+            capacity_tokens=100_000,
+            server_blocks=server_blocks,
+        )
+        return make_policy("ours", ctx, 1, 512).instances[0].router.config.block_size_bytes
+
+    assert router_block_bytes(False) == 2048
+    assert router_block_bytes(True) == RoutingConfig().block_size_bytes == 64
+    rng = random.Random(4)
+    rows = []
+    for i in range(120):
+        group = rng.randrange(6)
+        shared = list(range(group * 100, group * 100 + 12))  # six 6,144-token preambles
+        rows.append(
+            {
+                "timestamp": i * 100,
+                "input_length": 512 * len(shared) + 100,
+                "output_length": 8,
+                "hash_ids": [*shared, 10_000 + i],
+            }
+        )
+    trace = tmp_path / "trace.jsonl"
+    trace.write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+    def run(*extra: str) -> dict:
+        out = tmp_path / "out.json"
+        args = ["bench", "simulate", "--trace", str(trace), "--replicas", "2"]
+        args += ["--capacity-tokens", "20000", "--policies", "ours", "--no-progress"]
+        assert main([*args, "--json", str(out), *extra]) == 0
+        return json.loads(out.read_text())
+
+    coarse, fine = run(), run("--server-blocks")
+    assert fine["params"]["server_blocks"] and not coarse["params"]["server_blocks"]
+    assert "(--server-blocks)" in capsys.readouterr().out
+    assert 0 < fine["policies"]["ours"]["hit_ratio"] <= fine["ideal_hit_ratio"]
+
+
 def test_ours_runs_on_simulated_time() -> None:
     # The router's queued prefill work drains by the simulation clock, not the wall clock.
     import random

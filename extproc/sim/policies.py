@@ -55,6 +55,8 @@ class PolicyContext:
     # K router replicas of ours read each other's queued work (config ``peers``).
     share_queues: bool = False
     share_placements: bool = False
+    # Ours keeps its configured block size (SimParams.server_blocks).
+    server_blocks: bool = False
 
     @property
     def n(self) -> int:
@@ -364,7 +366,7 @@ class OursPolicy:
     def __init__(self, ctx: PolicyContext, prompts: PromptBytes, chunk_tokens: int) -> None:
         self.ctx = ctx
         self.prompts = prompts
-        config = sim_routing_config(ctx.routing, chunk_tokens)
+        config = ctx.routing if ctx.server_blocks else sim_routing_config(ctx.routing, chunk_tokens)
         addresses = [f"10.0.{r // 250}.{r % 250 + 1}:8000" for r in range(ctx.n)]
         self.replica_of = {a: r for r, a in enumerate(addresses)}
         self.router = Router(
