@@ -97,8 +97,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--server-blocks",
         action="store_true",
         help="ours hashes prompts in its configured blocks (64 bytes), as a server does, not "
-        "one block per trace id (Mooncake: 512 tokens); slower, and its index then errs as "
-        "a server's does",
+        "one block per trace id (Mooncake: 512 tokens): more blocks per prompt, and its index "
+        "then errs as a server's does",
     )
     sim.add_argument(
         "--sweep-peers",
