@@ -79,9 +79,10 @@ def _gap_starts(missing: np.ndarray, gap: int, room: np.ndarray | None = None) -
     A missing block starts one when the next held block is at least ``gap`` (or ``room``)
     blocks on: a few array passes whatever the gap."""
     width = missing.shape[-1]
-    where_held = np.where(missing, width + gap, np.arange(width))
+    blocks = np.arange(width)
+    where_held = np.where(missing, width + gap, blocks)
     next_held = np.minimum.accumulate(where_held[..., ::-1], axis=-1)[..., ::-1]
-    distance = next_held - np.arange(width)
+    distance = next_held - blocks
     limit = gap if room is None else np.minimum(gap, room)
     return missing & (distance >= limit)
 
