@@ -93,13 +93,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     _add_share_queues_argument(sim)
     _add_kv_pool_argument(sim)
-    sim.add_argument(
-        "--server-blocks",
-        action="store_true",
-        help="ours hashes prompts in its configured blocks (64 bytes), as a server does, not "
-        "one block per trace id (Mooncake: 512 tokens): more blocks per prompt, and its index "
-        "then errs as a server's does",
-    )
+    _add_server_blocks_argument(sim)
     sim.add_argument(
         "--sweep-peers",
         action="store_true",
@@ -114,6 +108,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     sim.add_argument("--no-progress", action="store_true", help="no progress bar")
     add_grid_arguments(sub.add_parser("grid", help="simulator grid: ours vs best peer per cell"))
+
+
+def _add_server_blocks_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--server-blocks",
+        action="store_true",
+        help="ours hashes prompts in its configured blocks (64 bytes), as a server does, not "
+        "one block per trace id (Mooncake: 512 tokens): more blocks per prompt, and its index "
+        "then errs as a server's does",
+    )
 
 
 def add_grid_arguments(grid: argparse.ArgumentParser) -> None:
@@ -138,6 +142,7 @@ def add_grid_arguments(grid: argparse.ArgumentParser) -> None:
     _add_routing_argument(grid)
     _add_share_queues_argument(grid)
     _add_kv_pool_argument(grid)
+    _add_server_blocks_argument(grid)
     grid.add_argument(
         "--peers-from", help="reuse the peers' results from this grid JSON (simulate ours only)"
     )
@@ -275,6 +280,7 @@ def grid_command(args: argparse.Namespace) -> int:
         share_placements=args.share_placements,
         seeds=seeds,
         kv_pool=args.kv_pool,
+        server_blocks=args.server_blocks,
     )
     bar.close()
     for cell, by_policy in peers.items():
@@ -290,6 +296,7 @@ def grid_command(args: argparse.Namespace) -> int:
     print(
         f"routing overrides: {routing or 'none'}{shared}; {runs * len(seeds)} runs{over}, "
         f"{args.jobs} worker processes; KV pool {args.kv_pool}"
+        + ("; ours in its configured blocks (--server-blocks)" if args.server_blocks else "")
     )
     print(sim_grid.markdown(rows))
     print(sim_grid.summary_line(rows))
@@ -302,6 +309,7 @@ def grid_command(args: argparse.Namespace) -> int:
             "share_queues": args.share_queues,
             "share_placements": args.share_placements,
             "kv_pool": args.kv_pool,
+            "server_blocks": args.server_blocks,
             "seeds": list(seeds),
             "summary": sim_grid.summary_line(rows),
             "wall_seconds": round(wall, 2),

@@ -172,6 +172,8 @@ class Stack:
     replicas: list[str] = field(default_factory=list)
     # router name -> its admin HTTP port (kept across restarts of that router)
     router_admin_ports: dict[str, int] = field(default_factory=dict)
+    # Envoy name -> its admin HTTP port (its /stats say which requests bypassed the router)
+    envoy_admin_ports: dict[str, int] = field(default_factory=dict)
     _tmp: tempfile.TemporaryDirectory[str] | None = None
 
     def __enter__(self) -> Stack:
@@ -334,6 +336,7 @@ class Stack:
         config_path = self.workdir / f"{name}.yaml"
         config_path.write_text(envoyconf.to_yaml(envoyconf.render(options)))
         listen_port = int(options.listen.rsplit(":", 1)[1])
+        self.envoy_admin_ports[name] = int(options.admin.rsplit(":", 1)[1])
         proc = self._spawn(
             name,
             [

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import random
 
 import pytest
 
@@ -147,3 +148,48 @@ def test_grid_with_seeds_averages_draws_it_also_runs_alone(tmp_path) -> None:
         )
     assert "same --kv-pool" in str(error.value)
     assert one["kv_pool"] == "preempt"
+
+
+def test_grid_server_blocks_runs_ours_as_simulate_does(tmp_path) -> None:
+    """--server-blocks reaches every worker: the grid's Mooncake cell at the server's block
+    size equals `simulate --server-blocks` on it, and differs from the trace-id blocks (here
+    groups differ only past the first 16,384 tokens, all a 64-byte window of 1,024 blocks
+    hashes)."""
+    rng = random.Random(4)
+    rows = []
+    for i in range(200):
+        group = rng.randrange(40)
+        ids = [*range(32), *range(1000 + group * 100, 1000 + group * 100 + 40), 100_000 + i]
+        rows.append(
+            {
+                "timestamp": i * 50,
+                "input_length": 512 * len(ids) - 400,
+                "output_length": 8,
+                "hash_ids": ids,
+            }
+        )
+    trace = tmp_path / "trace.jsonl"
+    trace.write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+    def grid(*extra: str) -> dict:
+        out = tmp_path / "grid.json"
+        args = ["bench", "grid", "--workloads", "mooncake", "--trace", str(trace)]
+        args += ["--replicas", "2", "--router-replicas", "1", "--policies", "ours"]
+        assert main([*args, "--jobs", "2", "--json", str(out), *extra]) == 0
+        doc = json.loads(out.read_text())
+        (cell,) = [c for c in doc["cells"] if c["capacity_tokens"] == 200_000]
+        return {"server_blocks": doc["server_blocks"], **cell["policies"]["ours"]}
+
+    def simulate(*extra: str) -> dict:
+        out = tmp_path / "sim.json"
+        args = ["bench", "simulate", "--trace", str(trace), "--replicas", "2"]
+        args += ["--capacity-tokens", "200000", "--policies", "ours", "--no-progress"]
+        assert main([*args, "--json", str(out), *extra]) == 0
+        return json.loads(out.read_text())["policies"]["ours"]
+
+    coarse, fine = grid(), grid("--server-blocks")
+    assert fine["server_blocks"] and not coarse["server_blocks"]
+    for from_grid, alone in ((coarse, simulate()), (fine, simulate("--server-blocks"))):
+        assert from_grid["hit_ratio"] == alone["hit_ratio"]
+        assert from_grid["ttft_p99_ms"] == alone["ttft_p99_ms"]
+    assert fine["hit_ratio"] < coarse["hit_ratio"] - 0.05

@@ -106,6 +106,7 @@ def run_one(
     share_placements: bool = False,
     seed: int = 0,
     kv_pool: str = DEFAULT_KV_POOL,
+    server_blocks: bool = False,
 ) -> tuple[Cell, str, dict[str, Any]]:
     """One simulation (runs in a worker process; everything it takes is picklable)."""
     cost = CostModel()
@@ -119,6 +120,7 @@ def run_one(
         share_placements=share_placements,
         seed=seed,
         kv_pool=kv_pool,
+        server_blocks=server_blocks,
     )
     workload = _workload(cell.workload, trace, seed)
     result = simulate(workload, policy, params)
@@ -164,6 +166,7 @@ def run_grid(
     share_placements: bool = False,
     seeds: Sequence[int] = (0,),
     kv_pool: str = DEFAULT_KV_POOL,
+    server_blocks: bool = False,
 ) -> dict[Cell, dict[str, dict[str, Any]]]:
     """Peers and bounds run at K=1 only (their K sweep is `simulate --sweep-k`'s job).
     ``done`` is called once per (cell, policy), when all its seeds have run."""
@@ -185,7 +188,16 @@ def run_grid(
             (
                 seed,
                 pool.submit(
-                    run_one, c, p, trace, routing, share_queues, share_placements, seed, kv_pool
+                    run_one,
+                    c,
+                    p,
+                    trace,
+                    routing,
+                    share_queues,
+                    share_placements,
+                    seed,
+                    kv_pool,
+                    server_blocks,
                 ),
             )
             for c, p, seed in work
