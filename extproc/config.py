@@ -140,7 +140,16 @@ class RoutingConfig(_Strict):
     block_size_bytes: int = Field(
         default=64, ge=8, le=65536, description="prompt bytes per hashed block (~16 tokens)"
     )
-    max_blocks: int = Field(default=1024, ge=1, description="cap on blocks hashed per request")
+    # 8,192 blocks of 64 bytes: a prompt's first ~131k tokens. Long-context traffic
+    # (Mooncake: 15k tokens on average, up to 190k) shares prefixes past 16k tokens, where
+    # the old cap of 1,024 stopped; hashing and indexing cost ~0.4 us per block past it
+    # (docs/benchmarks.md, item 28).
+    max_blocks: int = Field(
+        default=8192,
+        ge=1,
+        description="cap on blocks hashed per request (the first ~131k tokens at 64 bytes a "
+        "block); a longer prompt is placed by that much of it",
+    )
     bytes_per_token: float = Field(default=4.0, gt=0, description="to convert tokens to bytes")
     default_capacity_tokens: int = Field(
         default=500_000, gt=0, description="index size for endpoints without capacity_tokens"

@@ -6,8 +6,9 @@ and an endpoint's index region forgets nothing it does not see (the others' requ
 blocks there too). Reading each other's placements fixes both: in the simulator, K=4 router
 replicas came within 3% of one router's hit ratio in 16 of 18 cells against 12 without
 (docs/benchmarks.md). A placement is the request's block hashes and the endpoint; the log is
-numbered so that a reader asks only for what it has not seen, and bounded by blocks (the
-hashes of a 191k-token prompt are 12 kB), so memory stays fixed whatever the traffic.
+numbered so that a reader asks only for what it has not seen, and bounded by blocks (a
+prompt's hashes are at most routing.max_blocks x 8 bytes, 64 kB), so memory stays fixed
+whatever the traffic.
 
 Wire format (``GET /peer/placements?after=N&log=ID`` on the admin port), JSON:
 ``{"log": ID, "last": N, "scheme": S, "placements": [[router, endpoint, base64 of uint64 LE],

@@ -119,6 +119,7 @@ class Router:
         self._weight = np.zeros(0)
         self._address_hash = np.zeros(0, dtype=np.uint64)
         self._capacity_blocks: list[int] = []
+        self._largest_capacity = 0
         # capacity_tokens came from the config, so a scraped KV size must not override it.
         self._capacity_configured: list[bool] = []
         self._in_flight = np.zeros(0, dtype=np.int64)
@@ -225,6 +226,7 @@ class Router:
         self._addresses = addresses
         self._position = {a: i for i, a in enumerate(addresses)}
         self._capacity_blocks = capacities
+        self._largest_capacity = max(capacities, default=0)
         self._capacity_configured = configured
         self.index.set_endpoints(dict(zip(addresses, capacities, strict=True)))
 
@@ -289,6 +291,7 @@ class Router:
             blocks = self.capacity_blocks(kv_capacity_tokens)
             if blocks != self._capacity_blocks[i]:
                 self._capacity_blocks[i] = blocks
+                self._largest_capacity = max(self._capacity_blocks)
                 self.index.set_endpoints(
                     dict(zip(self._addresses, self._capacity_blocks, strict=True))
                 )
@@ -659,8 +662,14 @@ class Router:
             placed=placed,
             placed_choices=placed_choices,
         )
-        session = session_blocks(
-            request, hashes, cfg.block_size_bytes, cfg.cold_start_key, cfg.cold_start_blocks
+        # No endpoint holds more of a session than its whole cache: one holding that much
+        # holds it (else a prompt longer than every cache would be a new session each time
+        # and leave its replica whenever that one reports its cache full).
+        session = min(
+            self._largest_capacity,
+            session_blocks(
+                request, hashes, cfg.block_size_bytes, cfg.cold_start_key, cfg.cold_start_blocks
+            ),
         )
         decision = self.scheduler.pick(
             table,

@@ -5,7 +5,7 @@ import random
 import numpy as np
 import pytest
 
-from extproc.index import GAP, GAP_SPAN, WAYS, PrefixIndex, gap_for
+from extproc.index import GAP, GAP_CAP, GAP_SPAN, WAYS, PrefixIndex, gap_for
 
 
 def chain(rng: random.Random, length: int) -> np.ndarray:
@@ -84,6 +84,22 @@ def test_a_long_chain_bridges_longer_holes(monkeypatch, direct_pairs):
         index = one(10_000)
         index.record("a", np.delete(short, range(30, 30 + GAP)))
         assert index.match(short, ["a"]) == {"a": 30}
+
+
+def test_a_very_long_chain_still_ends_at_a_bounded_run(monkeypatch):
+    """Past GAP_CAP x GAP_SPAN blocks the run that ends a match stops growing: a
+    12,000-block prompt (190k tokens) ends at GAP_CAP missing blocks, not at 187."""
+    monkeypatch.setattr("extproc.index._DIRECT_PAIRS", 1_000_000)
+    assert gap_for(12_000) == GAP_CAP < 12_000 // GAP_SPAN
+    assert gap_for(GAP_CAP * GAP_SPAN) == GAP_CAP and gap_for(1000) < GAP_CAP
+    rng = random.Random(5)
+    blocks = chain(rng, 4000)
+    index = one(40_000)
+    index.record("a", np.delete(blocks, range(2000, 2000 + GAP_CAP)))
+    assert index.match(blocks, ["a"]) == {"a": 2000}
+    index = one(40_000)  # one block fewer missing: bridged
+    index.record("a", np.delete(blocks, range(2000, 2000 + GAP_CAP - 1)))
+    assert index.match(blocks, ["a"]) == {"a": 4000}
 
 
 def test_a_long_prompt_is_read_whole_until_its_endpoint_would_have_evicted_it():

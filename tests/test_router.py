@@ -1157,3 +1157,27 @@ def test_a_balanced_cold_start_sends_a_key_back_to_where_it_placed_it():
     forgetful = Scheduler(RoutingConfig(balance_cold_starts=False))
     forgetful.pick(table(even), 8, key=42)
     assert forgetful.pick(table(crowded), 8, key=42).endpoint != first.endpoint
+
+
+def test_a_prompt_longer_than_every_cache_stays_with_its_holder():
+    """A 512 KiB prompt is 8,192 blocks, twice what these endpoints' caches (65,536 tokens,
+    4,096 blocks) hold: holding as much of it as a cache can counts as holding it, so it
+    stays on its replica when that one reports its cache full (as it does after such a
+    request), instead of being a new session each time."""
+    endpoints = [
+        EndpointConfig(address=f"10.0.0.{i}:8000", capacity_tokens=65_536) for i in range(4)
+    ]
+    router = Router(RoutingConfig(), endpoints)
+    body = orjson.dumps(
+        {"model": "m", "messages": [{"role": "user", "content": "word " * (600 * 1024 // 5)}]}
+    )
+    first = router.route(parse_request("chat", body))
+    assert first.total_blocks == RoutingConfig().max_blocks == 8192
+    router.finish(first)
+    for endpoint in endpoints:
+        full = endpoint.address == first.endpoint
+        router.observe_signals(
+            endpoint.address, up=True, running=0, waiting=0, kv_usage=1.0 if full else 0.1
+        )
+    again = router.route(parse_request("chat", body))
+    assert (again.endpoint, again.rule) == (first.endpoint, RULE_AFFINITY)

@@ -153,7 +153,7 @@ def test_grid_with_seeds_averages_draws_it_also_runs_alone(tmp_path) -> None:
 def test_grid_server_blocks_runs_ours_as_simulate_does(tmp_path) -> None:
     """--server-blocks reaches every worker: the grid's Mooncake cell at the server's block
     size equals `simulate --server-blocks` on it, and differs from the trace-id blocks (here
-    groups differ only past the first 16,384 tokens, all a 64-byte window of 1,024 blocks
+    groups differ only past the first 16,384 tokens, all a window of 1,024 64-byte blocks
     hashes)."""
     rng = random.Random(4)
     rows = []
@@ -175,6 +175,7 @@ def test_grid_server_blocks_runs_ours_as_simulate_does(tmp_path) -> None:
         out = tmp_path / "grid.json"
         args = ["bench", "grid", "--workloads", "mooncake", "--trace", str(trace)]
         args += ["--replicas", "2", "--router-replicas", "1", "--policies", "ours"]
+        args += ["--routing", "max_blocks=1024"]
         assert main([*args, "--jobs", "2", "--json", str(out), *extra]) == 0
         doc = json.loads(out.read_text())
         (cell,) = [c for c in doc["cells"] if c["capacity_tokens"] == 200_000]
@@ -184,6 +185,7 @@ def test_grid_server_blocks_runs_ours_as_simulate_does(tmp_path) -> None:
         out = tmp_path / "sim.json"
         args = ["bench", "simulate", "--trace", str(trace), "--replicas", "2"]
         args += ["--capacity-tokens", "200000", "--policies", "ours", "--no-progress"]
+        args += ["--routing", "max_blocks=1024"]
         assert main([*args, "--json", str(out), *extra]) == 0
         return json.loads(out.read_text())["policies"]["ours"]
 
