@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 import orjson
 
-from .config import EndpointConfig, RoutingConfig
+from .config import EndpointConfig, RoutingConfig, routing_overrides
 from .prompt import parse_request
 from .router import Router
 
@@ -60,19 +60,23 @@ def _endpoints(count: int, capacity_tokens: int | None = None) -> list[EndpointC
     ]
 
 
-def _warmed(size: int, endpoints: int, requests: int) -> tuple[Router, list[bytes]]:
+def _warmed(
+    size: int, endpoints: int, requests: int, routing: RoutingConfig | None = None
+) -> tuple[Router, list[bytes]]:
     """A router whose index the first ``requests`` of 2 x ``requests`` bodies filled, and
     all the bodies (the second half is the one to time)."""
-    router = Router(RoutingConfig(), _endpoints(endpoints))
+    router = Router(routing or RoutingConfig(), _endpoints(endpoints))
     bodies = chat_bodies(size, requests * 2, conversations=max(4, endpoints))
     for body in bodies[:requests]:
         router.finish(router.route(parse_request("chat", body)))
     return router, bodies
 
 
-def measure(size: int, endpoints: int, requests: int) -> dict[str, Any]:
-    router, bodies = _warmed(size, endpoints, requests)
-    timings = []
+def measure(
+    size: int, endpoints: int, requests: int, routing: RoutingConfig | None = None
+) -> dict[str, Any]:
+    router, bodies = _warmed(size, endpoints, requests, routing)
+    timings, blocks = [], []
     gc.collect()
     perf = time.perf_counter_ns
     for body in bodies[requests:]:
@@ -80,12 +84,14 @@ def measure(size: int, endpoints: int, requests: int) -> dict[str, Any]:
         decision = router.route(parse_request("chat", body))
         router.finish(decision)
         timings.append((perf() - started) / 1000)
+        blocks.append(decision.total_blocks)
     timings.sort()
     return {
         "body_bytes": size,
         "endpoints": endpoints,
         "requests": len(timings),
         "mean_body_bytes": round(statistics.fmean(len(b) for b in bodies)),
+        "mean_blocks_hashed": round(statistics.fmean(blocks)),
         "p50_us": round(statistics.median(timings), 1),
         "p99_us": round(timings[int(0.99 * (len(timings) - 1))], 1),
         "mean_us": round(statistics.fmean(timings), 1),
@@ -251,6 +257,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--requests", type=int, default=2000, help="timed decisions per cell")
     parser.add_argument("--short", action="store_true", help="CI mode: few requests")
     parser.add_argument(
+        "--routing",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a routing setting for the timed router (repeatable), e.g. max_blocks=1024",
+    )
+    parser.add_argument(
         "--index-memory",
         metavar="ENDPOINTS,BLOCKS",
         help="also fill an index of ENDPOINTS x BLOCKS blocks and report its memory "
@@ -281,13 +294,15 @@ def run(args: argparse.Namespace) -> int:
     sizes = [int(s) * KIB for s in args.sizes.split(",")]
     counts = [int(c) for c in args.endpoints.split(",")]
     requests = 50 if args.short else args.requests
+    overrides = routing_overrides(args.routing)
+    routing = RoutingConfig(**overrides)
     rows = []
     print(f"{'body':>8} {'endpoints':>9} {'p50 us':>9} {'p99 us':>9} {'mean us':>9}")
     for size in sizes:
         for count in counts:
             # 1 MiB bodies: fewer requests, the cell would otherwise take minutes.
             n = max(20, requests // 10) if size >= 512 * KIB else requests
-            row = measure(size, count, n)
+            row = measure(size, count, n, routing)
             rows.append(row)
             print(
                 f"{size // KIB:>6}Ki {count:>9} {row['p50_us']:>9.1f} {row['p99_us']:>9.1f} "
@@ -295,6 +310,7 @@ def run(args: argparse.Namespace) -> int:
                 flush=True,
             )
     doc: dict[str, Any] = {"command": "prefix-router bench core " + " ".join(sys.argv[3:])}
+    doc["routing_overrides"] = overrides
     doc["rows"] = rows
     if args.profile:
         size, count = max(sizes), max(counts)

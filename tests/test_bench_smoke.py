@@ -104,6 +104,22 @@ def test_bench_overhead_short(tmp_path):
         assert json.loads(document["checks"][name]["reply"])["object"] == "chat.completion"
 
 
+def test_bench_core_routing_overrides_reach_the_timed_router(tmp_path):
+    """--routing max_blocks=1024 hashes a 128 KiB body's first 1,024 blocks (the default
+    window, 8,192, hashes all ~2,000 of them): how the window's cost is measured."""
+    hashed = {}
+    for name, extra in (("default", []), ("narrow", ["--routing", "max_blocks=1024"])):
+        out = tmp_path / f"{name}.json"
+        args = ["bench", "core", "--short", "--sizes", "128", "--endpoints", "4"]
+        assert main([*args, *extra, "--json", str(out)]) == 0
+        doc = json.loads(out.read_text())
+        hashed[name] = doc["rows"][0]["mean_blocks_hashed"]
+        assert doc["routing_overrides"] == ({"max_blocks": 1024} if extra else {})
+    assert hashed["narrow"] == 1024 < 1900 < hashed["default"] <= 2048
+    with pytest.raises(SystemExit, match="max_blocks"):
+        main(["bench", "core", "--short", "--routing", "max_blocks=0"])
+
+
 def test_bench_overhead_config_selection():
     from extproc.bench_overhead import select_configs
 
