@@ -142,7 +142,7 @@ class RoutingConfig(_Strict):
     )
     # 8,192 blocks of 64 bytes: a prompt's first ~131k tokens. Long-context traffic
     # (Mooncake: 15k tokens on average, up to 190k) shares prefixes past 16k tokens, where
-    # the old cap of 1,024 stopped; hashing and indexing cost ~0.4 us per block past it
+    # the old cap of 1,024 stopped; hashing and indexing cost ~0.3 us per block past it
     # (docs/benchmarks.md, item 28).
     max_blocks: int = Field(
         default=8192,
