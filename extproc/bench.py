@@ -85,7 +85,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="override a cost-model constant (repeatable): "
         + ", ".join(f.name for f in dataclasses.fields(CostModel)),
     )
-    _add_routing_argument(sim)
+    add_routing_argument(sim)
     sim.add_argument("--json", dest="json_out", help="write results as JSON here")
     sim.add_argument("--plot", help="write a PNG here (matplotlib)")
     sim.add_argument(
@@ -139,7 +139,7 @@ def add_grid_arguments(grid: argparse.ArgumentParser) -> None:
         help="run every cell with seeds 0..N-1 (a new draw of each generated workload) and "
         "compare the means",
     )
-    _add_routing_argument(grid)
+    add_routing_argument(grid)
     _add_share_queues_argument(grid)
     _add_kv_pool_argument(grid)
     _add_server_blocks_argument(grid)
@@ -179,13 +179,13 @@ def _add_share_queues_argument(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def _add_routing_argument(parser: argparse.ArgumentParser) -> None:
+def add_routing_argument(
+    parser: argparse.ArgumentParser,
+    help_text: str = "override a routing setting for ours (repeatable), e.g. stickiness=2",
+) -> None:
+    """``--routing KEY=VALUE`` (checked later by config.routing_overrides)."""
     parser.add_argument(
-        "--routing",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="override a routing setting for ours (repeatable), e.g. stickiness=2",
+        "--routing", action="append", default=[], metavar="KEY=VALUE", help=help_text
     )
 
 

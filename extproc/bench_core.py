@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 import orjson
 
+from .bench import add_routing_argument
 from .config import EndpointConfig, RoutingConfig, routing_overrides
 from .prompt import parse_request
 from .router import Router
@@ -256,12 +257,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--endpoints", default="4,64,512", help="endpoint counts")
     parser.add_argument("--requests", type=int, default=2000, help="timed decisions per cell")
     parser.add_argument("--short", action="store_true", help="CI mode: few requests")
-    parser.add_argument(
-        "--routing",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="a routing setting for the timed router (repeatable), e.g. max_blocks=1024",
+    add_routing_argument(
+        parser,
+        help_text="a routing setting for the timed router (repeatable), e.g. max_blocks=1024",
     )
     parser.add_argument(
         "--index-memory",

@@ -22,6 +22,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from extproc import bench_live, lab, signals
+from extproc.bench_overhead import ext_proc_stats
 from extproc.config import EndpointConfig, RoutingConfig
 from extproc.prompt import parse_request
 from extproc.router import Router
@@ -46,6 +47,8 @@ WORKLOAD = ChatWorkload(
     seed=7,
 )
 MIN_GAIN = 0.10  # prefix routing's hit ratio must beat round robin's by this much
+# Envoy's ext_proc counters of requests it passed on without the router (fail-open).
+BYPASS_COUNTERS = ("failure_mode_allowed", "message_timeouts", "streams_failed")
 
 
 def _get(url: str) -> str:
@@ -281,13 +284,8 @@ def _router_reading(admin_port: int) -> dict[str, float]:
 
 def _bypassed(envoy_admin_port: int) -> dict[str, int]:
     """Envoy's ext_proc counters of requests that went on without their router's answer."""
-    text = _get(f"http://{LOOPBACK}:{envoy_admin_port}/stats?filter=ext_proc")
-    counts = {}
-    for line in text.splitlines():
-        name, _, value = line.partition(": ")
-        if name.endswith(("failure_mode_allowed", "message_timeouts", "streams_failed")):
-            counts[name.rsplit(".", 1)[1]] = int(value)
-    return counts
+    counts = ext_proc_stats(envoy_admin_port)
+    return {name: counts.get(name, 0) for name in BYPASS_COUNTERS}
 
 
 def _wait_until_idle(addresses: list[str], timeout: float = 60.0) -> None:
