@@ -189,6 +189,20 @@ class RoutingConfig(_Strict):
     stickiness: float = Field(
         default=8.0, ge=0, description="extra cost per token an endpoint lacks vs the best holder"
     )
+    # A long held prefix (a long conversation, an agent's growing context) is reused by
+    # requests as long as it: in the simulator, on the Mooncake trace at the server's block
+    # size, 16 per token from 8,192 held tokens gained 0.004-0.012 of hit ratio with tails
+    # 1-9% shorter in the three loaded cells (docs/benchmarks.md, item 29). 16 everywhere
+    # doubled held-out tails; no generated shape's decision changed.
+    long_prefix_tokens: int = Field(
+        default=8192,
+        ge=0,
+        description="a request whose longest held prefix is at least this many tokens pays "
+        "long_prefix_stickiness instead of stickiness; 0: off",
+    )
+    long_prefix_stickiness: float = Field(
+        default=16.0, ge=0, description="stickiness for a held prefix of long_prefix_tokens"
+    )
     # A continuing conversation's later turns follow its history, so moving it loses no
     # later reuse. Off by default: in the simulator 2 trades 0.001-0.016 of chat hit ratio
     # for tails up to 12% shorter (chat 4 x 400k: 0.814 / 108 ms -> 0.808 / 94), but on two

@@ -23,7 +23,9 @@ The algorithm, top to bottom:
    prefill there (cheaper where more of the prompt is cached) + stickiness x the tokens it
    lacks compared with the best-matching eligible endpoint; the cheapest wins. So a request
    stays with its prefix unless the queue there costs more than the prefill it would save
-   (plus the stickiness premium, which stands for the later requests that reuse the prefix;
+   (plus the stickiness premium, which stands for the later requests that reuse the prefix:
+   long_prefix_stickiness instead when some endpoint holds at least long_prefix_tokens of
+   the prompt, a long conversation or agent context that every later request extends;
    with stickiness_fill set, off by default, a router alone scales it by the estimated fill
    of an endpoint with nothing queued: a copy into free room evicts nothing; with
    session_stickiness set, off by default, a router alone charges a continuing
@@ -72,6 +74,7 @@ Fallbacks are the next endpoints in the same ranking.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -186,6 +189,10 @@ class CostModel:
     stickiness_floor: float = 0.0
     # Stickiness for a continuing conversation's own history (None: the stickiness).
     session_stickiness: float | None = None
+    # A request whose longest held prefix is at least long_prefix_tokens pays
+    # long_prefix_stickiness instead of the stickiness (0 tokens: never).
+    long_prefix_tokens: float = 8192.0
+    long_prefix_stickiness: float = 16.0
 
     @classmethod
     def from_config(cls, config: RoutingConfig) -> CostModel:
@@ -197,7 +204,17 @@ class CostModel:
             cold_margin=config.cold_margin,
             stickiness_fill=config.stickiness_fill,
             session_stickiness=config.session_stickiness,
+            long_prefix_tokens=config.long_prefix_tokens,
+            long_prefix_stickiness=config.long_prefix_stickiness,
         )
+
+    def for_held(self, held_tokens: float) -> CostModel:
+        """The model that prices a request whose longest held prefix is ``held_tokens``: a
+        long one (a long conversation, an agent's growing context) is reused by later
+        requests as long as it, so leaving it costs long_prefix_stickiness per token."""
+        if not self.long_prefix_tokens or held_tokens < self.long_prefix_tokens:
+            return self
+        return dataclasses.replace(self, stickiness=self.long_prefix_stickiness)
 
     def prefill(self, tokens: float, cached: float) -> float:
         """Estimated prefill of ``tokens`` prompt tokens with ``cached`` of them held."""
@@ -357,9 +374,10 @@ class Scheduler:
                 placement_key=key,
                 prompt_tokens=prompt_tokens,
             )
-        cfg, model = self.config, self.cost
+        cfg = self.config
         n = prompt_tokens
         load, work, matched = table.load, table.work, table.matched
+        model = self.cost.for_held(float(matched.max()) * block_tokens)
         weight = table.weight if table.weight is not None else np.ones(count)
         # Guard: at most (1+eps) x the weighted share of the load (or share + slack).
         share = (float(load.sum()) + 1) / float(weight.sum()) * weight

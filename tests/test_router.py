@@ -17,6 +17,7 @@ from extproc.scheduler import (
     RULE_LOAD_GUARD,
     RULE_NO_ENDPOINT,
     RULE_SPREAD,
+    CostModel,
     EndpointTable,
     Scheduler,
     address_hash,
@@ -352,6 +353,40 @@ def test_a_conversation_moves_its_history_off_a_queue_for_the_session_premium_on
     router, first, turn2 = _session_behind_a_queued_job(premium)
     _report_finished(router, 4.0)  # this router sends a quarter of what they serve
     assert router.route(turn2).endpoint == first.endpoint
+
+
+def test_a_long_held_prefix_stays_behind_a_queue_a_short_one_would_leave():
+    """long_prefix_tokens (docs/benchmarks.md, item 29): a request whose held prefix is at
+    least that long pays long_prefix_stickiness per lacking token instead of stickiness.
+    A ~9k-token conversation behind a ~35k-token job (~114k token-equivalents queued): more
+    than a cold prefill elsewhere plus 8 per lacking token (~88k), less than with 16
+    (~160k). It stays by default, moves with the rule off or the threshold above it."""
+
+    def second_turn(config: RoutingConfig):
+        router = Router(config, ENDPOINTS, clock=Clock())
+        text = "explain rendezvous hashing in detail " * 1000  # ~9,200 tokens
+        first = router.route(chat(text))
+        router.finish(first)
+        job = router.route(completion("queued job. " * 11_700), allowed=frozenset({first.endpoint}))
+        assert job.endpoint == first.endpoint
+        return first, router.route(chat(text, "sure: ...", "and with weights?"))
+
+    first, stay = second_turn(RoutingConfig())
+    assert stay.rule == RULE_AFFINITY and stay.endpoint == first.endpoint
+    for config in (RoutingConfig(long_prefix_tokens=0), RoutingConfig(long_prefix_tokens=16_384)):
+        first, moved = second_turn(config)
+        assert moved.rule == RULE_LOAD_GUARD and moved.endpoint != first.endpoint
+    first, moved = second_turn(RoutingConfig(long_prefix_stickiness=8.0))
+    assert moved.endpoint != first.endpoint
+
+
+def test_the_long_prefix_model_applies_from_its_threshold_only():
+    cost = CostModel.from_config(RoutingConfig(long_prefix_tokens=8192, long_prefix_stickiness=16))
+    assert cost.for_held(8191.9) is cost
+    assert cost.for_held(8192).stickiness == 16 and cost.for_held(1e6).stickiness == 16
+    assert cost.for_held(8192).cold_margin == cost.cold_margin
+    off = CostModel.from_config(RoutingConfig(long_prefix_tokens=0))
+    assert off.for_held(1e9) is off
 
 
 def test_long_shared_prefix_attracts_new_sessions_but_a_short_preamble_does_not():
