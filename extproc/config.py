@@ -193,7 +193,7 @@ class RoutingConfig(_Strict):
     # requests as long as it: in the simulator, on the Mooncake trace at the server's block
     # size, 16 per token from 8,192 held tokens gained 0.004-0.012 of hit ratio with tails
     # 1-9% shorter in the three loaded cells (docs/benchmarks.md, item 29). 16 everywhere
-    # doubled held-out tails; no generated shape's decision changed.
+    # doubled held-out tails; no generated shape's figures moved (tuned or held-out grid).
     long_prefix_tokens: int = Field(
         default=8192,
         ge=0,
