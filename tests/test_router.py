@@ -286,19 +286,28 @@ def test_the_stickiness_premium_scales_with_the_targets_fill_only_when_it_is_idl
 
 
 def _session_behind_a_queued_job(
-    config: RoutingConfig, *, others_busy: bool = False, completions: bool = False
+    config: RoutingConfig,
+    *,
+    others_busy: bool = False,
+    completions: bool = False,
+    session_repeats: int = 600,
+    job_repeats: int = 4000,
 ):
     """A ~4k-token session on its holder, which then gets a ~12k-token job queued: less than
     the full premium for the session's tokens (8 x 4k), more than a cold prefill elsewhere.
-    ``completions``: the same prompts as completions, which have no turns."""
+    ``completions``: the same prompts as completions, which have no turns. The repeats set
+    the session's and the job's lengths (27 and 12 bytes each, ~4 bytes a token)."""
     router = Router(config, ENDPOINTS, clock=Clock())
     for i in range(24):  # enough finished requests to measure the traffic share by
         router.finish(router.route(chat(f"conversation {i} " * 30)))
-    text = "explain rendezvous hashing " * 600
+    text = "explain rendezvous hashing " * session_repeats
     turn1 = completion(text) if completions else chat(text)
     first = router.route(turn1)
     router.finish(first)
-    router.route(completion("queued job. " * 4000), allowed=frozenset({first.endpoint}))
+    job = router.route(
+        completion("queued job. " * job_repeats), allowed=frozenset({first.endpoint})
+    )
+    assert job.endpoint == first.endpoint
     if others_busy:
         for endpoint in ENDPOINTS:
             if endpoint.address != first.endpoint:
@@ -363,13 +372,11 @@ def test_a_long_held_prefix_stays_behind_a_queue_a_short_one_would_leave():
     (~160k). It stays by default, moves with the rule off or the threshold above it."""
 
     def second_turn(config: RoutingConfig):
-        router = Router(config, ENDPOINTS, clock=Clock())
-        text = "explain rendezvous hashing in detail " * 1000  # ~9,200 tokens
-        first = router.route(chat(text))
-        router.finish(first)
-        job = router.route(completion("queued job. " * 11_700), allowed=frozenset({first.endpoint}))
-        assert job.endpoint == first.endpoint
-        return first, router.route(chat(text, "sure: ...", "and with weights?"))
+        # ~9,200-token session, ~35k-token job
+        router, first, turn2 = _session_behind_a_queued_job(
+            config, session_repeats=1370, job_repeats=11_700
+        )
+        return first, router.route(turn2)
 
     first, stay = second_turn(RoutingConfig())
     assert stay.rule == RULE_AFFINITY and stay.endpoint == first.endpoint
