@@ -303,29 +303,39 @@ class PrefixIndex:
         rows = _bucket_rows(np.uint64(region.offset), np.uint64(region.buckets), keys)
         table, stamps = self._fingerprints.reshape(-1), self._stamps.reshape(-1)  # views
         hit = np.take(self._fingerprints, rows, axis=0) == fingerprints[:, None]
-        hit_blocks, hit_ways = np.nonzero(hit)
-        stamps[rows[hit_blocks] * WAYS + hit_ways] = order[hit_blocks]
+        # (block, way) of every hit: one flat pass (2-D np.nonzero took ~6x as long).
+        hit_slots = np.flatnonzero(hit)
+        hit_blocks = hit_slots // WAYS
+        stamps[rows[hit_blocks] * WAYS + hit_slots % WAYS] = order[hit_blocks]
         pending = np.flatnonzero(hit.view(_ANY)[:, 0] == 0)
-        protected = np.uint64(base)
-        while len(pending):
-            # One block per bucket per round, the earliest first (np.unique keeps the first
-            # index of each bucket), so a chain keeps its head when a bucket overflows.
-            pending_rows = np.sort(rows[pending])
-            if len(pending) == 1 or (pending_rows[1:] != pending_rows[:-1]).all():
-                first = np.arange(len(pending))  # no two in one bucket: one round
-            else:
-                _, first = np.unique(rows[pending], return_index=True)
-            now = pending[first]
-            now_rows = rows[now]
-            ages = np.take(self._stamps, now_rows, axis=0)
-            free = ages.min(axis=1) <= protected
-            slots = now_rows * WAYS + ages.argmin(axis=1)
-            if not free.all():
-                now, slots = now[free], slots[free]
-            self._entries[position] += int(np.count_nonzero(table[slots] == 0))
-            table[slots] = fingerprints[now]
-            stamps[slots] = order[now]
-            pending = np.delete(pending, first) if len(first) < len(pending) else pending[:0]
+        if not len(pending):
+            return
+        # In each bucket, its k-th new block (earliest first, so a chain keeps its head when
+        # a bucket overflows) takes the bucket's k-th least recently touched slot, unless
+        # this request touched that slot (stamp above base): then it and the later ones of
+        # the bucket are dropped. All buckets in a fixed number of array passes, with the
+        # slots a block-by-block insertion gives (tests/test_index.py); one round per block
+        # of the fullest bucket made recording a 512 KiB prompt ~1.6x as slow (docs/benchmarks.md).
+        by_bucket = np.argsort(rows[pending], kind="stable")
+        pending = pending[by_bucket]
+        pending_rows = rows[pending]
+        at = np.arange(len(pending))
+        starts = np.zeros(len(pending), dtype=np.intp)  # where each block's bucket begins
+        starts[1:] = np.where(pending_rows[1:] != pending_rows[:-1], at[1:], 0)
+        rank = at - np.maximum.accumulate(starts)
+        within = rank < WAYS
+        pending, pending_rows, rank = pending[within], pending_rows[within], rank[within]
+        ages = np.take(self._stamps, pending_rows, axis=0)
+        ways = ages.argmin(axis=1)  # a bucket's first new block (most are the only one)
+        later = np.flatnonzero(rank)
+        if len(later):
+            ranked = np.argsort(ages[later], axis=1, kind="stable")  # ties: lowest way first
+            ways[later] = ranked[np.arange(len(later)), rank[later]]
+        free = ages[at[: len(ways)], ways] <= np.uint64(base)
+        now, slots = pending[free], pending_rows[free] * WAYS + ways[free]
+        self._entries[position] += int(np.count_nonzero(table[slots] == 0))
+        table[slots] = fingerprints[now]
+        stamps[slots] = order[now]
 
     # -- reporting ------------------------------------------------------------------------
     def entries_by_endpoint(self) -> dict[str, int]:

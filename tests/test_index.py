@@ -5,7 +5,7 @@ import random
 import numpy as np
 import pytest
 
-from extproc.index import GAP, GAP_CAP, GAP_SPAN, WAYS, PrefixIndex, gap_for
+from extproc.index import GAP, GAP_CAP, GAP_SPAN, WAYS, PrefixIndex, gap_for, split_hashes
 
 
 def chain(rng: random.Random, length: int) -> np.ndarray:
@@ -216,6 +216,59 @@ def test_lookup_agrees_with_a_linear_scan_for_every_endpoint(monkeypatch, direct
             if run:
                 expected[e] = run
         assert index.match(query, endpoints) == expected
+
+
+def _record_block_by_block(index: PrefixIndex, position: int, hashes: np.ndarray) -> None:
+    """The insertion rule, one block at a time, on the index's own arrays: refresh every slot
+    already holding a block; then each new block, earliest first, replaces its bucket's least
+    recently touched slot (lowest way on ties) unless this request touched that slot."""
+    region = index._by_position[position]
+    base = index._clock
+    index._clock += len(hashes) + 1
+    fingerprints, keys = split_hashes(hashes)
+    rows = [region.offset + (int(k) * region.buckets >> 32) for k in keys]
+    stamps = [base + len(hashes) - i for i in range(len(hashes))]  # block 0 newest
+    before = index._fingerprints.copy()
+    new_blocks = []
+    for i, row in enumerate(rows):
+        ways = [w for w in range(WAYS) if before[row, w] == fingerprints[i]]
+        for w in ways:
+            index._stamps[row, w] = stamps[i]
+        if not ways:
+            new_blocks.append(i)
+    for i in new_blocks:
+        row = rows[i]
+        way = min(range(WAYS), key=lambda w: (int(index._stamps[row, w]), w))
+        if index._stamps[row, way] > base:
+            continue  # every slot of the bucket is this request's
+        index._entries[position] += int(index._fingerprints[row, way] == 0)
+        index._fingerprints[row, way] = fingerprints[i]
+        index._stamps[row, way] = stamps[i]
+
+
+def test_recording_inserts_as_block_by_block_would():
+    """The vectorised insertion (all buckets at once) leaves the table as the plain rule
+    would: small regions, so buckets overflow and requests collide with their own blocks."""
+    rng = random.Random(11)
+    for _ in range(60):
+        capacities = {f"e{i}": rng.randint(1, 120) for i in range(rng.randint(1, 4))}
+        index, reference = PrefixIndex(), PrefixIndex()
+        index.set_endpoints(capacities)
+        reference.set_endpoints(capacities)
+        chains = [chain(rng, rng.randint(1, 300)) for _ in range(5)]
+        for _ in range(30):
+            c = rng.choice(chains)
+            hashes = c[: rng.randint(1, len(c))]
+            if rng.random() < 0.3:
+                hashes = np.concatenate([hashes, chain(rng, rng.randint(1, 40))])
+            if rng.random() < 0.1 and len(hashes) > 2:
+                hashes = np.concatenate([hashes[:2], hashes[1:]])  # one block twice
+            position = rng.randrange(len(capacities))
+            index.record_position(position, hashes)
+            _record_block_by_block(reference, position, hashes)
+            assert np.array_equal(index._fingerprints, reference._fingerprints)
+            assert np.array_equal(index._stamps, reference._stamps)
+            assert np.array_equal(index._entries, reference._entries)
 
 
 def test_memory_is_allocated_up_front_at_twelve_bytes_per_block_of_capacity():
