@@ -94,6 +94,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     _add_share_queues_argument(sim)
     _add_kv_pool_argument(sim)
     _add_server_blocks_argument(sim)
+    _add_cache_outputs_argument(sim)
     sim.add_argument(
         "--sweep-peers",
         action="store_true",
@@ -120,6 +121,16 @@ def _add_server_blocks_argument(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _add_cache_outputs_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--cache-outputs",
+        action="store_true",
+        help="a finished request's reply stays in its replica's cache, as vLLM v1 caches "
+        "every full block it computes, so a chat's next turn (which carries the reply) can "
+        "hit it there (chat workloads; not with --kv-pool split)",
+    )
+
+
 def add_grid_arguments(grid: argparse.ArgumentParser) -> None:
     grid.add_argument("--trace", help="Mooncake JSONL trace, for the mooncake workload")
     grid.add_argument(
@@ -143,6 +154,7 @@ def add_grid_arguments(grid: argparse.ArgumentParser) -> None:
     _add_share_queues_argument(grid)
     _add_kv_pool_argument(grid)
     _add_server_blocks_argument(grid)
+    _add_cache_outputs_argument(grid)
     grid.add_argument(
         "--peers-from", help="reuse the peers' results from this grid JSON (simulate ours only)"
     )
@@ -228,6 +240,8 @@ def _policy_names(spec: str) -> list[str]:
 def run(args: argparse.Namespace) -> int:
     if args.bench in OTHER_BENCHMARKS:
         return importlib.import_module(OTHER_BENCHMARKS[args.bench][0]).run(args)
+    if args.cache_outputs and args.kv_pool == "split":
+        raise SystemExit("--cache-outputs needs one KV pool: --kv-pool preempt or shared")
     if args.bench == "grid":
         return grid_command(args)
     return simulate_command(args)
@@ -264,7 +278,7 @@ def grid_command(args: argparse.Namespace) -> int:
     names = _policy_names(args.policies)
     peers: dict[sim_grid.Cell, dict[str, dict[str, Any]]] = {}
     if args.peers_from:
-        peers = sim_grid.load_peers(args.peers_from, seeds, args.kv_pool)
+        peers = sim_grid.load_peers(args.peers_from, seeds, args.kv_pool, args.cache_outputs)
         names = [sim_grid.OURS]
     todo = sim_grid.cells(workloads, replicas, ks)
     runs = sum(1 for c in todo for p in names if p == sim_grid.OURS or c.router_replicas == 1)
@@ -281,6 +295,7 @@ def grid_command(args: argparse.Namespace) -> int:
         seeds=seeds,
         kv_pool=args.kv_pool,
         server_blocks=args.server_blocks,
+        cache_outputs=args.cache_outputs,
     )
     bar.close()
     for cell, by_policy in peers.items():
@@ -297,6 +312,7 @@ def grid_command(args: argparse.Namespace) -> int:
         f"routing overrides: {routing or 'none'}{shared}; {runs * len(seeds)} runs{over}, "
         f"{args.jobs} worker processes; KV pool {args.kv_pool}"
         + ("; ours in its configured blocks (--server-blocks)" if args.server_blocks else "")
+        + ("; replies cached (--cache-outputs)" if args.cache_outputs else "")
     )
     print(sim_grid.markdown(rows))
     print(sim_grid.summary_line(rows))
@@ -310,6 +326,7 @@ def grid_command(args: argparse.Namespace) -> int:
             "share_placements": args.share_placements,
             "kv_pool": args.kv_pool,
             "server_blocks": args.server_blocks,
+            "cache_outputs": args.cache_outputs,
             "seeds": list(seeds),
             "summary": sim_grid.summary_line(rows),
             "wall_seconds": round(wall, 2),
@@ -353,6 +370,7 @@ def simulate_command(args: argparse.Namespace) -> int:
         share_placements=args.share_placements,
         kv_pool=args.kv_pool,
         server_blocks=args.server_blocks,
+        cache_outputs=args.cache_outputs,
     )
     ks = _int_list("--sweep-k", args.sweep_k) if args.sweep_k else []
     swept = [n for n in names if n not in BOUNDS]
@@ -360,7 +378,7 @@ def simulate_command(args: argparse.Namespace) -> int:
     peer_runs = _peer_sweep_runs(args, names, ks)
     requests = workload.requests
     prompt_tokens = sum(r.input_tokens for r in requests)
-    ideal = ideal_hit_ratio(requests, cost.kv_block_tokens)
+    ideal = ideal_hit_ratio(requests, cost.kv_block_tokens, args.cache_outputs)
 
     bar = tqdm(
         total=len(requests) * (len(names) + len(extra_runs) + len(peer_runs)),
@@ -408,6 +426,7 @@ def simulate_command(args: argparse.Namespace) -> int:
             "share_placements": args.share_placements,
             "kv_pool": args.kv_pool,
             "server_blocks": args.server_blocks,
+            "cache_outputs": args.cache_outputs,
         },
         "wall_seconds": round(time.perf_counter() - started, 2),
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
@@ -422,6 +441,7 @@ def simulate_command(args: argparse.Namespace) -> int:
         f"{args.replicas} replicas x {args.capacity_tokens:,} KV tokens; "
         f"router replicas K={args.router_replicas}; seed {args.seed}; KV pool {args.kv_pool}"
         + ("; ours in its configured blocks (--server-blocks)" if args.server_blocks else "")
+        + ("; replies cached (--cache-outputs)" if args.cache_outputs else "")
     )
     print("cost model: " + ", ".join(f"{k}={v}" for k, v in cost.as_dict().items()))
     if routing:

@@ -87,13 +87,15 @@ def test_kv_pool_agrees_with_a_recount_after_every_step() -> None:
     for _ in range(2_000):
         if running and (rng.random() < 0.45 or len(running) > 6):
             ids, last, private = running.pop(rng.randrange(len(running)))
-            pool.release(ids, private)
+            # Half keep their reply's whole blocks cached (units out of the private ones).
+            reply = [(hash((ids, "reply", j)), 16) for j in range(private // 16)]
+            pool.release(ids, private, reply if rng.random() < 0.5 else ())
         else:
             root = rng.randrange(4)
             ids = (root, *(root * 100 + rng.randrange(3) * 10 + j for j in range(rng.randrange(5))))
             # Chained ids: an id always follows the same predecessor.
             ids = tuple(hash(ids[: i + 1]) for i in range(len(ids)))
-            last, private = rng.choice((16, 5)), rng.randrange(1, 20)
+            last, private = rng.choice((16, 5)), rng.randrange(1, 40)
             before = pool.pinned
             cost = pool.pin_cost(ids, 16, last, private)
             pool.pin(ids, 16, last, private)
@@ -145,6 +147,57 @@ def test_the_prefix_cache_is_what_running_requests_leave_of_the_pool() -> None:
     replica.end_prefill(running)
     replica.finish(running)
     assert replica.cached_tokens(running) == 64  # its output is not cached
+
+
+def test_a_finished_reply_stays_cached_for_the_next_turn_only_when_asked() -> None:
+    """vLLM v1 caches every full block a sequence computes, its reply's too: the next turn,
+    which carries the reply, hits it on that replica. The reply is the chain's tail, so it
+    is evicted before the prompt it follows."""
+    first = dataclasses.replace(_request(0, (1, 2, 3, 4)), output_tokens=40, output_ids=(5, 6, 7))
+    second = _request(1, (1, 2, 3, 4, 5, 6, 7, 8))
+    for kv_pool in ("preempt", "shared"):
+        for cache_outputs, held in ((False, 64), (True, 96)):  # 40 tokens: 2 whole blocks
+            replica = Replica(0, 200, CostModel(), kv_pool=kv_pool, cache_outputs=cache_outputs)
+            replica.enqueue(first)
+            replica.start_prefill()
+            replica.end_prefill(first)
+            if kv_pool == "preempt":
+                for token in (17, 33):  # its second and third output blocks
+                    assert replica.grow(first, token, 0.0)
+            replica.finish(first)
+            assert replica.cached_tokens(second) == held, (kv_pool, cache_outputs)
+            assert replica.kv_usage() == 0 and replica.cache.used == held
+    replica = Replica(0, 100, CostModel(), cache_outputs=True)
+    replica.enqueue(first)
+    replica.start_prefill()
+    replica.end_prefill(first)
+    replica.grow(first, 17, 0.0)
+    replica.grow(first, 33, 0.0)
+    replica.finish(first)
+    other = _request(2, (10, 11))  # 32 tokens + 4 output: 96 + 36 > 100
+    replica.enqueue(other)
+    replica.start_prefill()
+    assert replica.cached_tokens(second) == 64  # the reply went first, the prompt stayed
+    with pytest.raises(ValueError, match="cache_outputs needs one KV pool"):
+        Replica(0, 100, CostModel(), kv_pool="split", cache_outputs=True)
+
+
+def test_cached_replies_raise_chat_hits_within_the_ideal(small_chat: Workload) -> None:
+    """With replies cached, every policy's hits still reconcile with the replicas' counters
+    and stay under the ideal (which caches replies too); a policy that keeps a conversation
+    on one replica gains the replies it carries, one that scatters it gains little."""
+    base = SimParams(replicas=4, capacity_tokens=20_000, seed=1)
+    replies = dataclasses.replace(base, cache_outputs=True)
+    ideal = ideal_hit_tokens(small_chat.requests, 16, cache_outputs=True)
+    assert ideal > ideal_hit_tokens(small_chat.requests, 16)
+    gains = {}
+    for policy in ("ours", "random"):
+        before = simulate(small_chat, policy, base)
+        after = simulate(small_chat, policy, replies)
+        hits = sum(r.hit_tokens for r in after.records)
+        assert hits == sum(x.hit_tokens for x in after.replicas) and hits <= ideal
+        gains[policy] = hits - sum(r.hit_tokens for r in before.records)
+    assert gains["ours"] > 0 and gains["ours"] > 2 * gains["random"]
 
 
 def test_replica_rejects_an_unknown_memory_model() -> None:
@@ -449,6 +502,23 @@ def test_cli_simulate_routing_overrides_reach_ours(tmp_path, capsys) -> None:
     assert never_move["policies"]["ours"] != default["policies"]["ours"]
     with pytest.raises(SystemExit, match=r"routing\.stickyness"):
         run("--routing", "stickyness=2")
+
+
+def test_cli_cache_outputs_reaches_the_replicas_and_the_ideal(tmp_path, capsys) -> None:
+    def run(*flags: str) -> dict:
+        out = tmp_path / "out.json"
+        args = ["bench", "simulate", "--workload", "small-multi-turn", "--replicas", "4"]
+        args += ["--policies", "ours", "--no-progress", "--json", str(out), *flags]
+        assert main(args) == 0
+        return json.loads(out.read_text())
+
+    default, replies = run(), run("--cache-outputs")
+    assert replies["params"]["cache_outputs"] and not default["params"]["cache_outputs"]
+    assert "replies cached (--cache-outputs)" in capsys.readouterr().out
+    assert replies["ideal_hit_ratio"] > default["ideal_hit_ratio"]
+    assert replies["policies"]["ours"]["hit_ratio"] > default["policies"]["ours"]["hit_ratio"]
+    with pytest.raises(SystemExit, match="--cache-outputs needs one KV pool"):
+        run("--cache-outputs", "--kv-pool", "split")
 
 
 def test_server_blocks_keep_ours_at_its_configured_block_size(tmp_path, capsys) -> None:

@@ -149,9 +149,19 @@ class KVPool(_HeldChunks):
         self.used += private
         self._evict()
 
-    def release(self, ids: Sequence[int], private: int) -> None:
-        """A request finished: its private units go; chunks nobody else runs become cache."""
+    def release(
+        self, ids: Sequence[int], private: int, outputs: Sequence[tuple[int, int]] = ()
+    ) -> None:
+        """A request finished: its private units go; chunks nobody else runs become cache.
+        ``outputs``: (chunk, units) of its reply's full blocks, which stay as cache after its
+        prompt (the chain's tail, so freed first), as vLLM v1 caches a sequence's computed
+        blocks; the units they take were among its private ones."""
         held, refs, free = self._held, self._refs, self._free
+        for chunk, units in reversed(outputs):
+            if chunk not in held and units > 0:  # held already: another request computed it
+                held[chunk] = units
+                self.used += units  # the private units it came from are released below
+                free[chunk] = None
         for chunk in reversed(ids):  # tail first, as vLLM frees a sequence's blocks
             count = refs[chunk] - 1
             if count:

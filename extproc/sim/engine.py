@@ -44,6 +44,9 @@ class SimParams:
     # one block per workload chunk (sim_routing_config): a Mooncake prompt is then ~700
     # blocks to hash and match instead of ~23.
     server_blocks: bool = False
+    # A finished chat request's reply stays in its replica's cache (vLLM v1 caches every
+    # full block it computes), so the next turn, which carries it, can hit it there.
+    cache_outputs: bool = False
 
 
 @dataclass(slots=True)
@@ -87,7 +90,7 @@ def simulate(
     """Replay ``workload`` through ``policy``; ``progress(n)`` is told of every n arrivals."""
     requests = workload.requests
     replicas = [
-        Replica(i, params.capacity_tokens, params.cost, params.kv_pool)
+        Replica(i, params.capacity_tokens, params.cost, params.kv_pool, params.cache_outputs)
         for i in range(params.replicas)
     ]
     ctx = PolicyContext(

@@ -93,8 +93,10 @@ def _workload(name: str, trace: str | None, seed: int = 0) -> Workload:
 
 
 @functools.cache
-def _ideal(name: str, trace: str | None, block_tokens: int, seed: int = 0) -> float:
-    return ideal_hit_ratio(_workload(name, trace, seed).requests, block_tokens)
+def _ideal(
+    name: str, trace: str | None, block_tokens: int, seed: int = 0, cache_outputs: bool = False
+) -> float:
+    return ideal_hit_ratio(_workload(name, trace, seed).requests, block_tokens, cache_outputs)
 
 
 def run_one(
@@ -107,6 +109,7 @@ def run_one(
     seed: int = 0,
     kv_pool: str = DEFAULT_KV_POOL,
     server_blocks: bool = False,
+    cache_outputs: bool = False,
 ) -> tuple[Cell, str, dict[str, Any]]:
     """One simulation (runs in a worker process; everything it takes is picklable)."""
     cost = CostModel()
@@ -121,10 +124,11 @@ def run_one(
         seed=seed,
         kv_pool=kv_pool,
         server_blocks=server_blocks,
+        cache_outputs=cache_outputs,
     )
     workload = _workload(cell.workload, trace, seed)
     result = simulate(workload, policy, params)
-    ideal = _ideal(cell.workload, trace, cost.kv_block_tokens, seed)
+    ideal = _ideal(cell.workload, trace, cost.kv_block_tokens, seed, cache_outputs)
     return cell, policy, summarize(result, ideal)
 
 
@@ -167,6 +171,7 @@ def run_grid(
     seeds: Sequence[int] = (0,),
     kv_pool: str = DEFAULT_KV_POOL,
     server_blocks: bool = False,
+    cache_outputs: bool = False,
 ) -> dict[Cell, dict[str, dict[str, Any]]]:
     """Peers and bounds run at K=1 only (their K sweep is `simulate --sweep-k`'s job).
     ``done`` is called once per (cell, policy), when all its seeds have run."""
@@ -198,6 +203,7 @@ def run_grid(
                     seed,
                     kv_pool,
                     server_blocks,
+                    cache_outputs,
                 ),
             )
             for c, p, seed in work
@@ -238,7 +244,10 @@ def from_json(rows: list[dict[str, Any]]) -> dict[Cell, dict[str, dict[str, Any]
 
 
 def load_peers(
-    path: str | os.PathLike[str], seeds: Sequence[int] = (0,), kv_pool: str = DEFAULT_KV_POOL
+    path: str | os.PathLike[str],
+    seeds: Sequence[int] = (0,),
+    kv_pool: str = DEFAULT_KV_POOL,
+    cache_outputs: bool = False,
 ) -> dict[Cell, dict[str, dict[str, Any]]]:
     """The peers' figures from an earlier grid, which must have run the same seeds and memory
     model: means over other draws of the workloads, or on other replicas, are not comparable."""
@@ -249,6 +258,12 @@ def load_peers(
         raise SystemExit(
             f"--peers-from {path}: its grid ran --kv-pool {theirs}, this one runs {kv_pool} "
             f"(use the same --kv-pool)"
+        )
+    if bool(doc.get("cache_outputs", False)) != cache_outputs:
+        raise SystemExit(
+            f"--peers-from {path}: its grid ran with cache_outputs "
+            f"{bool(doc.get('cache_outputs', False))}, this one with {cache_outputs} "
+            f"(use the same --cache-outputs)"
         )
     if list(doc.get("seeds", [0])) != list(seeds):
         raise SystemExit(

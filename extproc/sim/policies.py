@@ -504,18 +504,25 @@ def make_policy(
     return group
 
 
-def ideal_hit_tokens(requests: Sequence[SimRequest], block_tokens: int) -> int:
-    """Bound: one infinite cache shared by everyone (hit ratio only, no time)."""
+def ideal_hit_tokens(
+    requests: Sequence[SimRequest], block_tokens: int, cache_outputs: bool = False
+) -> int:
+    """Bound: one infinite cache shared by everyone (hit ratio only, no time). With
+    ``cache_outputs`` a reply is cached as soon as its request arrives: still a bound."""
     cache = ChunkLRU(math.inf)
     hits = 0
     for request in requests:
         full, last = cache_units(request, block_tokens)
         hits += cache.match(request.ids, full, last)
         cache.touch(request.ids, full, last)
+        if cache_outputs and request.output_ids:
+            cache.touch(request.output_ids, full, full)
     return hits
 
 
-def ideal_hit_ratio(requests: Sequence[SimRequest], block_tokens: int) -> float:
+def ideal_hit_ratio(
+    requests: Sequence[SimRequest], block_tokens: int, cache_outputs: bool = False
+) -> float:
     """``ideal_hit_tokens`` over all prompt tokens: the hit-ratio bound every run reports."""
     prompt = sum(r.input_tokens for r in requests)
-    return ideal_hit_tokens(requests, block_tokens) / max(1, prompt)
+    return ideal_hit_tokens(requests, block_tokens, cache_outputs) / max(1, prompt)

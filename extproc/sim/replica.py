@@ -107,9 +107,14 @@ class Replica:
         capacity_tokens: int,
         cost: CostModel,
         kv_pool: str = DEFAULT_KV_POOL,
+        cache_outputs: bool = False,
     ) -> None:
         if kv_pool not in KV_POOLS:
             raise ValueError(f"kv_pool must be one of {KV_POOLS}, not {kv_pool!r}")
+        if cache_outputs and kv_pool == "split":
+            raise ValueError("cache_outputs needs one KV pool (kv_pool 'preempt' or 'shared')")
+        # A finished request's reply stays cached (SimRequest.output_ids), as in vLLM v1.
+        self.cache_outputs = cache_outputs
         self.index = index
         self.capacity_tokens = capacity_tokens
         self.cost = cost
@@ -160,6 +165,18 @@ class Replica:
         """Units of the output blocks ``generated`` tokens occupy (the last one whole)."""
         block = self.cost.kv_block_tokens
         return min(request.output_tokens, -(-generated // block) * block)
+
+    def _reply_blocks(self, request: SimRequest) -> list[tuple[int, int]]:
+        """(chunk, units) of the finished request's reply to keep cached: whole KV blocks
+        only, so a partial last chunk keeps what it fills of whole blocks."""
+        if not self.cache_outputs:
+            return []
+        block, left, blocks = self.cost.kv_block_tokens, request.output_tokens, []
+        for chunk in request.output_ids:
+            tokens = min(request.chunk_tokens, left)
+            left -= tokens
+            blocks.append((chunk, tokens // block * block))
+        return blocks
 
     def cached_tokens(self, request: SimRequest) -> int:
         full, last = cache_units(request, self.cost.kv_block_tokens)
@@ -300,9 +317,13 @@ class Replica:
         if self.preempts:
             state = self.progress.pop(request.rid)
             del self.admitted[request.rid]
-            self.cache.release(request.ids, state.private)  # type: ignore[union-attr]
+            self.cache.release(  # type: ignore[union-attr]
+                request.ids, state.private, self._reply_blocks(request)
+            )
         elif isinstance(self.cache, KVPool):
             full, last = cache_units(request, self.cost.kv_block_tokens)
-            self.cache.release(request.ids, self._private(request, full, last))
+            self.cache.release(
+                request.ids, self._private(request, full, last), self._reply_blocks(request)
+            )
         self.running -= 1
         self.running_tokens -= request.input_tokens + request.output_tokens

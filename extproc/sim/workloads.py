@@ -36,6 +36,10 @@ class SimRequest:
     session: int = -1
     # Tokens of the messages before the first user turn (a chat request's system prompt).
     preamble_tokens: int = 0
+    # Chunk ids of its reply as the session's next request carries it (chat workloads;
+    # empty: nobody reuses the reply). A replica that caches output blocks, as vLLM v1
+    # caches every full block a sequence computes, holds them after the request ends.
+    output_ids: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -169,7 +173,7 @@ def multi_turn(
     sys_chunks = _chunks(system_tokens)
     q_chunks, a_chunks = _chunks(question_tokens), _chunks(output_tokens)
     systems = [tuple(next(counter) for _ in range(sys_chunks)) for _ in range(system_prompts)]
-    pending: list[tuple[float, int, int, tuple[int, ...], int]] = []
+    pending: list[tuple[float, int, int, tuple[int, ...], int, tuple[int, ...]]] = []
     start = 0.0
     for s in range(sessions):
         start += rng.expovariate(rate)
@@ -180,8 +184,9 @@ def multi_turn(
             ids = history + tuple(next(counter) for _ in range(q_chunks))
             if t == 0:
                 first_turn = len(ids) * GEN_CHUNK_TOKENS
-            pending.append((at, s, t, ids, first_turn))
-            history = ids + tuple(next(counter) for _ in range(a_chunks))
+            answer = tuple(next(counter) for _ in range(a_chunks))
+            pending.append((at, s, t, ids, first_turn, answer))
+            history = ids + answer
             at += rng.expovariate(1.0 / think_s) + output_tokens * 0.010
     pending.sort()
     out = [
@@ -193,8 +198,9 @@ def multi_turn(
             first_turn_tokens=first_turn,
             session=s,
             preamble_tokens=sys_chunks * GEN_CHUNK_TOKENS,
+            output_ids=answer,
         )
-        for rid, (at, s, _t, ids, first_turn) in enumerate(pending)
+        for rid, (at, s, _t, ids, first_turn, answer) in enumerate(pending)
     ]
     params = {
         "kind": "multi_turn",
@@ -249,8 +255,9 @@ def session_rounds(
             next(counter) for _ in range(_chunks(draw(question_tokens, question_std)))
         )
         output = draw(output_tokens, output_std)
-        out.append(_generated(rid, now, ids, output, session=session))
-        context[session] = ids + tuple(next(counter) for _ in range(_chunks(output)))
+        answer = tuple(next(counter) for _ in range(_chunks(output)))
+        out.append(_generated(rid, now, ids, output, session=session, output_ids=answer))
+        context[session] = ids + answer
     params = {
         "kind": "session_rounds",
         "groups": groups,
