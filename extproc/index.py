@@ -331,7 +331,7 @@ class PrefixIndex:
         if len(later):
             ranked = np.argsort(ages[later], axis=1, kind="stable")  # ties: lowest way first
             ways[later] = ranked[np.arange(len(later)), rank[later]]
-        free = ages[at[: len(ways)], ways] <= np.uint64(base)
+        free = ages[np.arange(len(ways)), ways] <= np.uint64(base)
         now, slots = pending[free], pending_rows[free] * WAYS + ways[free]
         self._entries[position] += int(np.count_nonzero(table[slots] == 0))
         table[slots] = fingerprints[now]
