@@ -485,13 +485,18 @@ def test_cli_simulate_sweeps_ours_with_peers_beside_ours_without(tmp_path, capsy
         run("--sweep-peers")
 
 
+def _simulate_ours_on_small_chat(tmp_path, *flags: str) -> dict:
+    """`bench simulate` of ours alone on the small chat workload, 4 replicas: its JSON."""
+    out = tmp_path / "out.json"
+    args = ["bench", "simulate", "--workload", "small-multi-turn", "--replicas", "4"]
+    args += ["--policies", "ours", "--no-progress", "--json", str(out), *flags]
+    assert main(args) == 0
+    return json.loads(out.read_text())
+
+
 def test_cli_simulate_routing_overrides_reach_ours(tmp_path, capsys) -> None:
     def run(*routing: str) -> dict:
-        out = tmp_path / "out.json"
-        args = ["bench", "simulate", "--workload", "small-multi-turn", "--replicas", "4"]
-        args += ["--policies", "ours", "--no-progress", "--json", str(out), *routing]
-        assert main(args) == 0
-        return json.loads(out.read_text())
+        return _simulate_ours_on_small_chat(tmp_path, *routing)
 
     default = run()
     never_move = run("--routing", "stickiness=1000", "--routing", "load_slack=1000")
@@ -506,11 +511,7 @@ def test_cli_simulate_routing_overrides_reach_ours(tmp_path, capsys) -> None:
 
 def test_cli_cache_outputs_reaches_the_replicas_and_the_ideal(tmp_path, capsys) -> None:
     def run(*flags: str) -> dict:
-        out = tmp_path / "out.json"
-        args = ["bench", "simulate", "--workload", "small-multi-turn", "--replicas", "4"]
-        args += ["--policies", "ours", "--no-progress", "--json", str(out), *flags]
-        assert main(args) == 0
-        return json.loads(out.read_text())
+        return _simulate_ours_on_small_chat(tmp_path, *flags)
 
     default, replies = run(), run("--cache-outputs")
     assert replies["params"]["cache_outputs"] and not default["params"]["cache_outputs"]
