@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import random
 
@@ -495,8 +496,7 @@ def _simulate_ours_on_small_chat(tmp_path, *flags: str) -> dict:
 
 
 def test_cli_simulate_routing_overrides_reach_ours(tmp_path, capsys) -> None:
-    def run(*routing: str) -> dict:
-        return _simulate_ours_on_small_chat(tmp_path, *routing)
+    run = functools.partial(_simulate_ours_on_small_chat, tmp_path)
 
     default = run()
     never_move = run("--routing", "stickiness=1000", "--routing", "load_slack=1000")
@@ -510,8 +510,7 @@ def test_cli_simulate_routing_overrides_reach_ours(tmp_path, capsys) -> None:
 
 
 def test_cli_cache_outputs_reaches_the_replicas_and_the_ideal(tmp_path, capsys) -> None:
-    def run(*flags: str) -> dict:
-        return _simulate_ours_on_small_chat(tmp_path, *flags)
+    run = functools.partial(_simulate_ours_on_small_chat, tmp_path)
 
     default, replies = run(), run("--cache-outputs")
     assert replies["params"]["cache_outputs"] and not default["params"]["cache_outputs"]
