@@ -51,7 +51,8 @@ class RouterMetrics:
         )
         self.decision_seconds = Histogram(
             "prefix_router_decision_seconds",
-            "Time to parse, hash, match and schedule one request",
+            "Time to parse, hash, match and schedule one request: what Envoy waits for (the "
+            "index update comes after the answer)",
             buckets=DECISION_BUCKETS,
             registry=registry,
         )

@@ -306,6 +306,8 @@ class Decision:
     work_released: bool = False
     # Placed as a cold start (rule 3): counted in the endpoints' placed work.
     cold_start: bool = False
+    # The blocks wait to be entered in the index as held at ``endpoint`` (Router.record).
+    unrecorded: bool = False
     ranking: _Ranking | None = None
 
     def explain(self, top_k: int | None = None) -> dict[str, Any]:

@@ -209,7 +209,7 @@ class ExternalProcessorService(ext_grpc.ExternalProcessorServicer):
             request = parse_request(ex.routable_api or "", body)
             outcome.model = request.model
             outcome.prompt_bytes = len(request.prompt)
-            decision = self.router.route(request, allowed=ex.subset)
+            decision = self.router.route(request, allowed=ex.subset, defer_record=True)
         except NotRoutable as exc:
             outcome.kind, outcome.detail = "pass_through", exc.kind
             outcome.decide_seconds = time.perf_counter() - started
@@ -237,11 +237,15 @@ class ExternalProcessorService(ext_grpc.ExternalProcessorServicer):
             async for request in request_iterator:
                 for response in self._handle(ex, request):
                     yield response
+                    # grpc.aio has written the answer before it resumes this generator:
+                    # the index update is off the time Envoy waits (Router.record).
+                    self._record(ex)
         except Exception as exc:  # never let one request take the service down
             ex.outcome.kind, ex.outcome.detail = "error", type(exc).__name__
             log.exception("ext_proc stream failed; Envoy fails open for this request")
             raise
         finally:
+            self._record(ex)  # the stream ended before the answer went out: as route() did
             if ex.outcome.decision is not None:
                 # Envoy ends a full-duplex processing stream at the response headers: for an
                 # event stream that is before its prefill, so its charge must outlive it.
@@ -250,6 +254,10 @@ class ExternalProcessorService(ext_grpc.ExternalProcessorServicer):
             self.tracer.finish(ex.span, ex.outcome, self._block_tokens)
             if self.observer is not None:
                 self.observer(ex.outcome)
+
+    def _record(self, ex: _Exchange) -> None:
+        if ex.outcome.decision is not None:
+            self.router.record(ex.outcome.decision)
 
     def _handle(self, ex: _Exchange, request: ext_pb.ProcessingRequest) -> list:
         kind = request.WhichOneof("request")

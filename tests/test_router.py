@@ -139,6 +139,31 @@ def test_no_endpoints_and_subset_hint():
     assert router.route(chat("y " * 40), allowed=frozenset({"9.9.9.9:1"})).rule == RULE_NO_ENDPOINT
 
 
+def test_a_deferred_record_reaches_the_index_and_the_peers_log_once_at_record():
+    router = Router(RoutingConfig(), ENDPOINTS)
+    router.placements = PlacementLog()
+    decision = router.route(chat("deferred " * 30), defer_record=True)
+    endpoint, blocks = decision.endpoint, len(decision.hashes)
+    assert endpoint is not None and blocks > 0
+    assert router.index.match(decision.hashes, [endpoint]) == {}  # holds none of it
+    assert router.placements.after(0) == []
+    assert router.in_flight()[endpoint] == 1 and router.queued_work()[endpoint] > 0
+    router.record(decision)
+    router.record(decision)  # once only
+    assert router.index.match(decision.hashes, [endpoint]) == {endpoint: blocks}
+    assert [p.endpoint for p in router.placements.after(0)] == [endpoint]
+    # Without defer_record, route() records at once (the simulator's path); a request that
+    # Envoy served elsewhere before its record is recorded there only.
+    assert router.route(chat("deferred " * 30, "ok", "more")).matched_blocks == blocks
+    moved = router.route(chat("moved " * 30), defer_record=True)
+    actual = next(e.address for e in ENDPOINTS if e.address != moved.endpoint)
+    assert router.served(moved, actual)
+    router.record(moved)
+    assert router.index.match(moved.hashes, [moved.endpoint or "", actual]) == {
+        actual: len(moved.hashes)
+    }
+
+
 def test_served_report_moves_load_and_learns_blocks():
     router = Router(RoutingConfig(), ENDPOINTS)
     decision = router.route(chat("report " * 30))

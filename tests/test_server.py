@@ -232,6 +232,34 @@ async def test_served_report_corrects_the_index(service):
     assert service.router.index.match(hashes, ["127.0.0.1:8002"]) == {"127.0.0.1:8002": len(hashes)}
 
 
+@pytest.mark.parametrize("ends", ["next message", "stream closed"])
+async def test_the_index_learns_a_placement_once_its_answer_is_out(service, ends):
+    """The servicer yields the routing answer, grpc.aio writes it, and only then does the
+    generator go on to record the blocks (Router.record): the index update is not part of
+    the time Envoy waits. A stream that ends at the answer still records."""
+    hashes = block_hashes(parse_request("chat", CHAT).prompt, root_hash("m"), 64, 1024)
+    chosen: list[str] = []
+
+    async def messages():
+        yield headers_msg()
+        yield body_msg(CHAT)
+        yield response_headers_msg(chosen[0])
+
+    stream = service.service.Process(messages(), context=None)
+    assert (await anext(stream)).WhichOneof("response") == "request_headers"
+    answer = await anext(stream)  # the generator now waits at its yield
+    chosen.append(destination(answer)[0].split(",")[0])
+    assert service.router.in_flight()[chosen[0]] == 1
+    assert service.router.index.match(hashes, ENDPOINTS.split(",")) == {}
+    if ends == "next message":  # recorded before the next message, not at the stream's end
+        assert (await anext(stream)).WhichOneof("response") == "response_headers"
+        assert service.router.in_flight()[chosen[0]] == 1
+        assert service.router.index.match(hashes, ENDPOINTS.split(",")) == {chosen[0]: len(hashes)}
+    await stream.aclose()
+    assert service.router.index.match(hashes, ENDPOINTS.split(",")) == {chosen[0]: len(hashes)}
+    assert sum(service.router.in_flight().values()) == 0
+
+
 @pytest.mark.parametrize(
     ("status", "content_type", "released"),
     [
