@@ -714,8 +714,7 @@ class Router:
         calls it once its answer is on the way to Envoy (``route(defer_record=True)``): the
         index update, about a quarter of a decision (~0.1 ms for a 32 KiB prompt, ~0.5 ms
         for 512 KiB; ``bench core``'s answer columns), is then not part of the time Envoy
-        waits. The
-        queued-work charge stays in ``route``: concurrent decisions must see it."""
+        waits. The queued-work charge stays in ``route``: concurrent decisions must see it."""
         if not decision.unrecorded:
             return
         decision.unrecorded = False

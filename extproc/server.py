@@ -245,7 +245,7 @@ class ExternalProcessorService(ext_grpc.ExternalProcessorServicer):
             log.exception("ext_proc stream failed; Envoy fails open for this request")
             raise
         finally:
-            self._record(ex)  # the stream ended before the answer went out: as route() did
+            self._record(ex)  # a stream closed at its answer, or before it went out
             if ex.outcome.decision is not None:
                 # Envoy ends a full-duplex processing stream at the response headers: for an
                 # event stream that is before its prefill, so its charge must outlive it.

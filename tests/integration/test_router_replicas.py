@@ -219,7 +219,7 @@ def test_router_replicas_balance_new_conversations_over_each_others_placements(t
             assert response.headers["x-gateway-destination-endpoint-served"] == x
         # A exports its gauges once a second (serve._refresh_gauges): right after its last
         # request the figure may cover only its first placements, and B, reading that, sent
-        # the third new conversation to X in about one full-suite run in six. Wait for A's
+        # the third new conversation to X (in one of six runs of this file). Wait for A's
         # figure to cover all four (each decays by 1/512 per later cold start), then for B.
         placed_by_a = sum(d["decision"]["work"] for d in _decisions(admin["router-a"], 4))
         deadline = time.monotonic() + 20
