@@ -59,6 +59,8 @@ def test_bench_core_short(tmp_path):
     ]
     for row in rows:
         assert 0 < row["p50_us"] <= row["p99_us"]
+        # The answer is part of each timed decision (the index update and finish follow it).
+        assert 0 < row["answer_p50_us"] <= row["p50_us"] and row["answer_p99_us"] <= row["p99_us"]
         assert 0.8 * row["body_bytes"] < row["mean_body_bytes"] < 1.3 * row["body_bytes"]
 
 
