@@ -709,8 +709,9 @@ class Router:
         return decision
 
     def record(self, decision: Decision) -> None:
-        """Enter a routed request's blocks in the index as held where it was sent, and in
-        the placement log its peers read (once; a no-op after the first call). The server
+        """Enter a routed request's blocks in the index as held where it was sent (where
+        Envoy says it went, once that is known: ``served``), and in the placement log its
+        peers read; once per destination, a no-op after that. The server
         calls it once its answer is on the way to Envoy (``route(defer_record=True)``): the
         index update, about a quarter of a decision (~0.1 ms for a 32 KiB prompt, ~0.5 ms
         for 512 KiB; ``bench core``'s answer columns), is then not part of the time Envoy
@@ -718,10 +719,11 @@ class Router:
         if not decision.unrecorded:
             return
         decision.unrecorded = False
-        i = self._position.get(decision.endpoint) if decision.endpoint else None
+        address = decision.served or decision.endpoint
+        i = self._position.get(address) if address else None
         if i is not None:  # (an endpoint removed meanwhile holds nothing here)
             self.index.record_position(i, decision.hashes)
-            self._log_placement(decision.endpoint, decision.hashes)
+            self._log_placement(address, decision.hashes)
 
     def _placed_view(self, positions: np.ndarray, now: float) -> tuple[np.ndarray | None, int]:
         """The placed work cold starts balance by, and among how many of a key's first
@@ -779,10 +781,9 @@ class Router:
             return False
         self.finish(decision)
         decision.served = served_address
-        decision.unrecorded = False  # not sent where it was decided: nothing held there
         self._charge(i, decision, self.clock())
-        self.index.record_position(i, decision.hashes)
-        self._log_placement(served_address, decision.hashes)
+        decision.unrecorded = True  # held where Envoy sent it (a pending record goes there)
+        self.record(decision)
         return True
 
     # -- placements shared with peers -----------------------------------------------------
