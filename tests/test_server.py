@@ -59,6 +59,7 @@ def response_headers_msg(served: str, status: str = "200", content_type: str | N
 
 
 CHAT = orjson.dumps({"model": "m", "messages": [{"role": "user", "content": "hello " * 40}]})
+CHAT_HASHES = block_hashes(parse_request("chat", CHAT).prompt, root_hash("m"), 64, 1024)
 
 
 @pytest.fixture
@@ -228,8 +229,9 @@ async def test_served_report_corrects_the_index(service):
     primary = destination(again[1])[0].split(",")[0]
     chosen_first = destination(responses[1])[0].split(",")[0]
     assert primary in {chosen_first, "127.0.0.1:8002"}
-    hashes = block_hashes(parse_request("chat", CHAT).prompt, root_hash("m"), 64, 1024)
-    assert service.router.index.match(hashes, ["127.0.0.1:8002"]) == {"127.0.0.1:8002": len(hashes)}
+    assert service.router.index.match(CHAT_HASHES, ["127.0.0.1:8002"]) == {
+        "127.0.0.1:8002": len(CHAT_HASHES)
+    }
 
 
 @pytest.mark.parametrize("ends", ["next message", "stream closed"])
@@ -237,7 +239,6 @@ async def test_the_index_learns_a_placement_once_its_answer_is_out(service, ends
     """The servicer yields the routing answer, grpc.aio writes it, and only then does the
     generator go on to record the blocks (Router.record): the index update is not part of
     the time Envoy waits. A stream that ends at the answer still records."""
-    hashes = block_hashes(parse_request("chat", CHAT).prompt, root_hash("m"), 64, 1024)
     chosen: list[str] = []
 
     async def messages():
@@ -250,13 +251,17 @@ async def test_the_index_learns_a_placement_once_its_answer_is_out(service, ends
     answer = await anext(stream)  # the generator now waits at its yield
     chosen.append(destination(answer)[0].split(",")[0])
     assert service.router.in_flight()[chosen[0]] == 1
-    assert service.router.index.match(hashes, ENDPOINTS.split(",")) == {}
+    assert service.router.index.match(CHAT_HASHES, ENDPOINTS.split(",")) == {}
     if ends == "next message":  # recorded before the next message, not at the stream's end
         assert (await anext(stream)).WhichOneof("response") == "response_headers"
         assert service.router.in_flight()[chosen[0]] == 1
-        assert service.router.index.match(hashes, ENDPOINTS.split(",")) == {chosen[0]: len(hashes)}
+        assert service.router.index.match(CHAT_HASHES, ENDPOINTS.split(",")) == {
+            chosen[0]: len(CHAT_HASHES)
+        }
     await stream.aclose()
-    assert service.router.index.match(hashes, ENDPOINTS.split(",")) == {chosen[0]: len(hashes)}
+    assert service.router.index.match(CHAT_HASHES, ENDPOINTS.split(",")) == {
+        chosen[0]: len(CHAT_HASHES)
+    }
     assert sum(service.router.in_flight().values()) == 0
 
 
