@@ -320,18 +320,64 @@ class Rig:
                 return time.monotonic() - started
         return None
 
-    def routing_works(self, tag: str = "probe", turns: int = 4) -> bool:
-        """A conversation's turns all land on one replica and the router counted them."""
+    def routing_works(self, tag: str = "probe", turns: int = 4) -> Probe:
+        """A conversation's turns all land on one replica and the router counted them.
+
+        The answer is falsy on failure and its repr says why (pytest prints it)."""
         before = routed_count(self.router_admin)
-        seen = set()
+        probe = Probe(tag)
         for turn in range(turns):
             response = self.send(chat(hash(tag) % 10_000, turn, system=f"{tag} " * 40))
+            probe.statuses.append(response.status)
+            probe.replicas.append(response.replica)
             if response.status != 200:
-                return False
-            seen.add(response.replica)
+                break
         # The router counts a request when its stream ends, just after the response.
-        counted = wait_until(lambda: routed_count(self.router_admin) >= before + turns, 5, 0.05)
-        return len(seen) == 1 and counted
+        probe.counted = wait_until(
+            lambda: routed_count(self.router_admin) >= before + turns, 5, 0.05
+        )
+        if not probe:
+            probe.routed = routed_count(self.router_admin) - before
+            probe.decisions = _recent_decisions(self.router_admin, turns + 2)
+        return probe
+
+
+@dataclass
+class Probe:
+    """What ``Rig.routing_works`` saw: one conversation's turns through Envoy."""
+
+    tag: str
+    statuses: list[int] = field(default_factory=list)
+    replicas: list[str] = field(default_factory=list)
+    counted: bool = False
+    routed: int | None = None  # on failure: requests the router counted meanwhile
+    decisions: list[dict] = field(default_factory=list)  # on failure: its latest records
+
+    def __bool__(self) -> bool:
+        return (
+            bool(self.statuses)
+            and all(status == 200 for status in self.statuses)
+            and len(set(self.replicas)) == 1
+            and self.counted
+        )
+
+
+def _recent_decisions(admin_port: int, limit: int) -> list[dict]:
+    """The router's latest decision records, trimmed to what explains a probe's failure."""
+    try:
+        _, text = http_get(f"http://{LOOPBACK}:{admin_port}/debug/decisions?limit={limit}")
+        records = json.loads(text)["decisions"]
+    except (OSError, ValueError, KeyError) as error:
+        return [{"error": repr(error)}]
+    keep = ("time", "outcome", "reason", "prompt_bytes", "decision_ms", "served", "status")
+    out = []
+    for record in records:
+        brief = {key: record.get(key) for key in keep}
+        decision = record.get("decision") or {}
+        brief["decision"] = {k: v for k, v in decision.items() if k != "candidates"}
+        brief["candidates"] = decision.get("candidates")
+        out.append(brief)
+    return out
 
 
 def start_rig(

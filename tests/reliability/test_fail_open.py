@@ -13,9 +13,11 @@ import time
 
 import pytest
 
+from extproc.envoyconf import ROUTER_CLUSTER
 from extproc.stack import Stack
 
 from .conftest import (
+    Probe,
     chat,
     envoy_stats,
     report,
@@ -32,6 +34,30 @@ TOTAL, CONCURRENCY = 2000, 32
 
 def _ext_proc(rig, name: str) -> int:
     return envoy_stats(rig.envoy_admin).get(f"http.llm.ext_proc.{name}", 0)
+
+
+def _router_health_checks(rig) -> dict[str, int]:
+    """Envoy's gRPC health checks of the router cluster so far, by result."""
+    prefix = f"cluster.{ROUTER_CLUSTER}.health_check."
+    stats = envoy_stats(rig.envoy_admin, prefix)
+    return {k.removeprefix(prefix): v for k, v in stats.items() if k.startswith(prefix)}
+
+
+def _routing_after_the_fault(rig, tag: str) -> tuple[Probe, dict]:
+    """Probe that routing works once the load is over; one failed probe is tolerated.
+
+    Envoy's health check of the router (0.5 s timeout, unhealthy threshold 1) takes the
+    router out for an interval when one check is slow, which a loaded CI machine can cause
+    right after the fault (seen once in CI: a run routed again 0.04 s after SIGCONT, then
+    failed open to its end). That is a transient of the design, not a router that stays
+    out; so a failed probe is reported with Envoy's health-check counters, routing must
+    come back (``wait_routing``), and a second probe must pass."""
+    probe = rig.routing_works(tag)
+    if probe:
+        return probe, {}
+    retried = {"first_probe": repr(probe), "health_checks": _router_health_checks(rig)}
+    retried["routed_again_s"] = rig.wait_routing()
+    return rig.routing_works(f"{tag}, second probe"), retried
 
 
 @pytest.mark.slow
@@ -70,11 +96,12 @@ def test_router_killed_and_restarted_under_load(replicas, mode):
             "routed_by_restarted_router": routed_after_restart,
             "routing_resumed_after_ready_s": resumed["s"] and round(resumed["s"], 2),
         }
+        probe, figures["probe_retried"] = _routing_after_the_fault(rig, "after the restart")
         report("router_killed_under_load", **figures)
         assert run.failed == [], run.failed[:5]
         assert failed_open > 0  # the fault was real: Envoy continued without the router
         assert routed_after_restart > 0  # the tail of the run was routed again
-        assert rig.routing_works("after the restart")
+        assert probe, figures["probe_retried"]
 
 
 @pytest.mark.slow
@@ -96,7 +123,9 @@ def test_router_hung_past_message_timeout_under_load(replicas, mode):
         timeouts_before = _ext_proc(rig, "message_timeouts")
         allowed_before = _ext_proc(rig, "failure_mode_allowed")
         routed_before = routed_count(rig.router_admin)
+        checks_before = _router_health_checks(rig)
         run = run_load(rig.envoy_port, TOTAL, CONCURRENCY, events=[(TOTAL // 5, "hang", stop)])
+        checks = _router_health_checks(rig)
         during = run.between("hang", "hang:done")
         figures = run.summary() | {
             "mode": mode,
@@ -107,13 +136,17 @@ def test_router_hung_past_message_timeout_under_load(replicas, mode):
             "failed_open": _ext_proc(rig, "failure_mode_allowed") - allowed_before,
             "routed": routed_count(rig.router_admin) - routed_before,
             "routing_resumed_after_sigcont_s": resumed["s"] and round(resumed["s"], 2),
+            "router_health_checks": {
+                k: v - checks_before.get(k, 0) for k, v in checks.items() if k != "healthy"
+            },
         }
+        probe, figures["probe_retried"] = _routing_after_the_fault(rig, "after SIGCONT")
         report("router_hung_under_load", **figures)
         assert run.failed == [], run.failed[:5]
         assert figures["message_timeouts"] > 0  # some requests waited for the hung router...
         assert run.latency_ms(q=1.0) < 10_000  # ...about message_timeout, then went on
         assert figures["routed"] > TOTAL // 5  # before the hang and after SIGCONT
-        assert rig.routing_works("after SIGCONT")
+        assert probe, figures["probe_retried"]
 
 
 @pytest.mark.slow
@@ -153,11 +186,12 @@ def test_full_duplex_router_killed_mid_stream_is_a_bounded_loss(replicas):
             "failed_outside_window": len(late),
             "sent_after_window": len([r for r in run.results if r.started > killed_at + window]),
         }
+        probe, figures["probe_retried"] = _routing_after_the_fault(rig, "full duplex, restarted")
         report("full_duplex_router_killed", **figures)
         assert late == []  # only requests sent around the kill failed; never later ones
         assert all(r.status in (0, 500, 502, 503, 504) for r in run.failed)
         assert figures["sent_after_window"] > 0
-        assert rig.routing_works("full duplex after restart")
+        assert probe, figures["probe_retried"]
 
 
 @pytest.mark.slow
@@ -200,4 +234,5 @@ def test_full_duplex_hung_router_holds_requests_until_stream_idle_timeout(replic
         assert all(s == 200 for s, _ in later)  # once Envoy saw it down: fail open
         assert all(t < idle for _, t in later)
         assert wait_until(rig.envoy_router_healthy, 10)
-        assert rig.routing_works("full duplex after SIGCONT")
+        probe, retried = _routing_after_the_fault(rig, "full duplex after SIGCONT")
+        assert probe, retried
