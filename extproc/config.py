@@ -364,7 +364,10 @@ class DiscoveryConfig(_Strict):
     endpoints replace the static list; `capacity_tokens`/`weight` apply to each of them.
     """
 
-    kind: Literal["static", "dns", "kubernetes"] = "static"
+    kind: Literal["static", "dns", "kubernetes"] = Field(
+        default="static",
+        description="where the endpoints come from: static (the endpoints list), dns or kubernetes",
+    )
     # kubernetes
     namespace: str | None = Field(
         default=None, description="namespace of the Service (default: the pod's own namespace)"
@@ -378,8 +381,16 @@ class DiscoveryConfig(_Strict):
         default=None,
         description="Kubernetes API base URL (default: in-cluster https://$KUBERNETES_SERVICE_HOST)",
     )
-    token_file: str = SERVICE_ACCOUNT_DIR + "/token"
-    ca_file: str = SERVICE_ACCOUNT_DIR + "/ca.crt"
+    token_file: str = Field(
+        default=SERVICE_ACCOUNT_DIR + "/token",
+        description="bearer token for the Kubernetes API, read on every request (bound tokens "
+        "rotate)",
+    )
+    ca_file: str = Field(
+        default=SERVICE_ACCOUNT_DIR + "/ca.crt",
+        description="CA bundle the Kubernetes API's certificate must chain to (the system's "
+        "if the file is absent)",
+    )
     watch_timeout_seconds: int = Field(
         default=300, ge=10, le=3600, description="server-side watch expiry; then watch again"
     )
@@ -389,14 +400,30 @@ class DiscoveryConfig(_Strict):
         default=None, ge=1, le=65535, description="port of A/AAAA endpoints (not with srv)"
     )
     srv: bool = Field(default=False, description="resolve SRV records (needs dnspython)")
-    address_family: Literal["any", "ipv4", "ipv6"] = "any"
+    address_family: Literal["any", "ipv4", "ipv6"] = Field(
+        default="any",
+        description="addresses kept: any (dns: both; kubernetes: IPv4 when a dual-stack "
+        "Service has it, so a pod is one endpoint), ipv4 or ipv6",
+    )
     interval_seconds: float = Field(default=5.0, gt=0, description="DNS polling interval")
     # retries (both)
-    backoff_initial_seconds: float = Field(default=0.5, gt=0)
-    backoff_max_seconds: float = Field(default=30.0, gt=0)
+    backoff_initial_seconds: float = Field(
+        default=0.5,
+        gt=0,
+        description="wait before retrying a failed lookup, list or watch; doubles per "
+        "failure (jittered)",
+    )
+    backoff_max_seconds: float = Field(default=30.0, gt=0, description="longest such wait")
     # applied to every discovered endpoint
-    capacity_tokens: int | None = Field(default=None, gt=0)
-    weight: float = Field(default=1.0, gt=0)
+    capacity_tokens: int | None = Field(
+        default=None,
+        gt=0,
+        description="KV-cache size in tokens of each discovered endpoint (unset: the size "
+        "vLLM reports, else routing.default_capacity_tokens)",
+    )
+    weight: float = Field(
+        default=1.0, gt=0, description="relative share of load each discovered endpoint takes"
+    )
 
     @field_validator("namespace", "service")
     @classmethod
@@ -556,7 +583,11 @@ class Config(_Strict):
     health: HealthCheckConfig = HealthCheckConfig()
     signals: SignalsConfig = SignalsConfig()
     peers: PeersConfig = PeersConfig()
-    endpoints: tuple[EndpointConfig, ...] = ()
+    endpoints: tuple[EndpointConfig, ...] = Field(
+        default=(),
+        description="the model servers when discovery.kind is static: ip:port strings or "
+        "{address, capacity_tokens, weight}",
+    )
     discovery: DiscoveryConfig = DiscoveryConfig()
     tls: TLSConfig = TLSConfig()
 

@@ -4,7 +4,8 @@ import os
 import re
 from pathlib import Path
 
-from extproc.configcmd import reference_markdown
+from extproc.config import Config
+from extproc.configcmd import _fields, reference_markdown
 
 ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text()
@@ -18,6 +19,13 @@ def test_config_reference_in_readme_matches_the_code():
     assert match.group(1) == reference_markdown(), (
         "regenerate: prefix-router config --reference, paste between the markers"
     )
+
+
+def test_every_config_field_says_what_it_means():
+    """The reference table is the operator's manual: a field without a description is a
+    blank row in it."""
+    blank = [name for name, _, description in _fields(Config) if not description.strip()]
+    assert blank == [], f"config fields without a description: {blank}"
 
 
 def test_quick_start_is_two_commands_that_exist():
