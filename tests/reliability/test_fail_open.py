@@ -47,11 +47,11 @@ def _routing_after_the_fault(rig, tag: str) -> tuple[Probe, dict]:
     """Probe that routing works once the load is over; one failed probe is tolerated.
 
     Envoy's health check of the router (0.5 s timeout, unhealthy threshold 1) takes the
-    router out for an interval when one check is slow, which a loaded CI machine can cause
-    right after the fault (seen once in CI: a run routed again 0.04 s after SIGCONT, then
-    failed open to its end). That is a transient of the design, not a router that stays
-    out; so a failed probe is reported with Envoy's health-check counters, routing must
-    come back (``wait_routing``), and a second probe must pass."""
+    router out for an interval when one check is slow, which a loaded machine can cause
+    after the fault. A CI run looked like that once (routed again 0.04 s after SIGCONT,
+    then failed open to its end; cause not confirmed, docs/reliability.md): a transient,
+    not a router that stays out. So a failed probe is reported with Envoy's health-check
+    counters, routing must come back (``wait_routing``), and a second probe must pass."""
     probe = rig.routing_works(tag)
     if probe:
         return probe, {}
