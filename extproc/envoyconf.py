@@ -433,6 +433,8 @@ def _router_cluster(options: EnvoyOptions) -> dict[str, Any]:
         # gRPC health of the router itself: once Envoy knows the router is down it fails
         # open before opening a stream. Without it, FULL_DUPLEX_STREAMED requests race the
         # connect failure (the body may already be handed to the stream) and get a 500.
+        # Unhealthy after one failed check: a threshold of 2 let twice the requests wait out
+        # message_timeout on a hung router (docs/reliability.md, section 1).
         "health_checks": [
             {
                 "timeout": "0.5s",
