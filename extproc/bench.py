@@ -95,6 +95,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     _add_kv_pool_argument(sim)
     _add_server_blocks_argument(sim)
     _add_cache_outputs_argument(sim)
+    _add_kv_events_argument(sim)
     sim.add_argument(
         "--sweep-peers",
         action="store_true",
@@ -131,6 +132,18 @@ def _add_cache_outputs_argument(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _add_kv_events_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--kv-events",
+        type=float,
+        metavar="DELAY_MS",
+        help="ours' router replicas read the replicas' KV-cache events (vLLM's BlockStored "
+        "/ BlockRemoved), each DELAY_MS after it happened: what a router subscribed to them "
+        "would know (the server does not subscribe yet; a prompt's blocks are announced when "
+        "its prefill ends); needs one KV pool",
+    )
+
+
 def add_grid_arguments(grid: argparse.ArgumentParser) -> None:
     grid.add_argument("--trace", help="Mooncake JSONL trace, for the mooncake workload")
     grid.add_argument(
@@ -155,6 +168,7 @@ def add_grid_arguments(grid: argparse.ArgumentParser) -> None:
     _add_kv_pool_argument(grid)
     _add_server_blocks_argument(grid)
     _add_cache_outputs_argument(grid)
+    _add_kv_events_argument(grid)
     grid.add_argument(
         "--peers-from", help="reuse the peers' results from this grid JSON (simulate ours only)"
     )
@@ -242,6 +256,11 @@ def run(args: argparse.Namespace) -> int:
         return importlib.import_module(OTHER_BENCHMARKS[args.bench][0]).run(args)
     if args.cache_outputs and args.kv_pool == "split":
         raise SystemExit("--cache-outputs needs one KV pool: --kv-pool preempt or shared")
+    if args.kv_events is not None and (args.kv_events < 0 or args.kv_pool == "split"):
+        raise SystemExit(
+            f"--kv-events {args.kv_events}: needs a delay >= 0 ms and one KV pool "
+            "(--kv-pool preempt or shared)"
+        )
     if args.bench == "grid":
         return grid_command(args)
     return simulate_command(args)
@@ -296,6 +315,7 @@ def grid_command(args: argparse.Namespace) -> int:
         kv_pool=args.kv_pool,
         server_blocks=args.server_blocks,
         cache_outputs=args.cache_outputs,
+        kv_events_ms=args.kv_events,
     )
     bar.close()
     for cell, by_policy in peers.items():
@@ -313,6 +333,7 @@ def grid_command(args: argparse.Namespace) -> int:
         f"{args.jobs} worker processes; KV pool {args.kv_pool}"
         + ("; ours in its configured blocks (--server-blocks)" if args.server_blocks else "")
         + ("; replies cached (--cache-outputs)" if args.cache_outputs else "")
+        + _kv_events_note(args.kv_events)
     )
     print(sim_grid.markdown(rows))
     print(sim_grid.summary_line(rows))
@@ -327,6 +348,7 @@ def grid_command(args: argparse.Namespace) -> int:
             "kv_pool": args.kv_pool,
             "server_blocks": args.server_blocks,
             "cache_outputs": args.cache_outputs,
+            "kv_events_ms": args.kv_events,
             "seeds": list(seeds),
             "summary": sim_grid.summary_line(rows),
             "wall_seconds": round(wall, 2),
@@ -334,6 +356,12 @@ def grid_command(args: argparse.Namespace) -> int:
         }
         Path(args.json_out).write_text(json.dumps(doc, indent=2) + "\n")
     return 0
+
+
+def _kv_events_note(delay_ms: float | None) -> str:
+    if delay_ms is None:
+        return ""
+    return f"; ours reads the replicas' KV-cache events {delay_ms:g} ms late (--kv-events)"
 
 
 def _peer_sweep_runs(args: argparse.Namespace, names: list[str], ks: list[int]) -> list[int]:
@@ -371,6 +399,7 @@ def simulate_command(args: argparse.Namespace) -> int:
         kv_pool=args.kv_pool,
         server_blocks=args.server_blocks,
         cache_outputs=args.cache_outputs,
+        kv_events_ms=args.kv_events,
     )
     ks = _int_list("--sweep-k", args.sweep_k) if args.sweep_k else []
     swept = [n for n in names if n not in BOUNDS]
@@ -427,6 +456,7 @@ def simulate_command(args: argparse.Namespace) -> int:
             "kv_pool": args.kv_pool,
             "server_blocks": args.server_blocks,
             "cache_outputs": args.cache_outputs,
+            "kv_events_ms": args.kv_events,
         },
         "wall_seconds": round(time.perf_counter() - started, 2),
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
@@ -442,6 +472,7 @@ def simulate_command(args: argparse.Namespace) -> int:
         f"router replicas K={args.router_replicas}; seed {args.seed}; KV pool {args.kv_pool}"
         + ("; ours in its configured blocks (--server-blocks)" if args.server_blocks else "")
         + ("; replies cached (--cache-outputs)" if args.cache_outputs else "")
+        + _kv_events_note(args.kv_events)
     )
     print("cost model: " + ", ".join(f"{k}={v}" for k, v in cost.as_dict().items()))
     if routing:

@@ -172,7 +172,8 @@ class PrefixIndex:
 
     def fill_positions(self, positions: np.ndarray) -> np.ndarray:
         """Share of each endpoint's slots in use (0 to 1), by position: how much a new copy
-        there would evict. Slots are never emptied but by ``forget``, so this only rises."""
+        there would evict. Slots are emptied only by ``forget`` and ``remove_position`` (an
+        endpoint's own eviction reports); otherwise this only rises."""
         return self._entries[positions] / (self._sizes[positions] * WAYS)
 
     def capacity(self, address: str) -> int | None:
@@ -336,6 +337,23 @@ class PrefixIndex:
         self._entries[position] += int(np.count_nonzero(table[slots] == 0))
         table[slots] = fingerprints[now]
         stamps[slots] = order[now]
+
+    def remove_position(self, position: int, hashes: np.ndarray) -> int:
+        """The endpoint no longer holds these blocks (its own report: a KV-cache event):
+        empty their slots. Returns how many slots were emptied. A block whose fingerprint
+        and bucket another block shares takes that one too, as a lookup confuses them."""
+        if not len(hashes):
+            return 0
+        region = self._by_position[position]
+        fingerprints, keys = split_hashes(np.asarray(hashes, dtype=np.uint64))
+        rows = _bucket_rows(np.uint64(region.offset), np.uint64(region.buckets), keys)
+        hit = np.take(self._fingerprints, rows, axis=0) == fingerprints[:, None]
+        hit_slots = np.flatnonzero(hit)
+        flat = np.unique(rows[hit_slots // WAYS] * WAYS + hit_slots % WAYS)
+        self._fingerprints.reshape(-1)[flat] = 0
+        self._stamps.reshape(-1)[flat] = 0
+        self._entries[position] -= len(flat)
+        return len(flat)
 
     # -- reporting ------------------------------------------------------------------------
     def entries_by_endpoint(self) -> dict[str, int]:

@@ -10,6 +10,7 @@ drained at the configured throughput and taken back at ``finish``.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import logging
 import math
 import time
@@ -785,6 +786,33 @@ class Router:
         decision.unrecorded = True  # held where Envoy sent it (a pending record goes there)
         self.record(decision)
         return True
+
+    # -- the endpoints' own cache reports -------------------------------------------------
+    def observe_cache_events(self, address: str, events: Sequence[tuple[bool, np.ndarray]]) -> None:
+        """What an endpoint reports it stored and evicted (vLLM's KV-cache events), in
+        order, each (stored, block hashes of this router's): its index then holds what the
+        endpoint holds, whoever placed it, where its own record of its placements is a
+        guess that other router replicas' placements and the endpoint's evictions leave
+        behind (the K=4 gap, docs/benchmarks.md). Its own placements are still recorded at
+        the decision: an endpoint reports a prefix only once its prefill computed it.
+        A run of events of one kind is applied as one index update."""
+        i = self._position.get(address)
+        if i is None:
+            return
+        for stored, run in itertools.groupby(events, key=lambda event: event[0]):
+            chains = [hashes for _, hashes in run if len(hashes)]
+            if not chains:
+                continue
+            if stored:
+                # One update, newest event's blocks newest (record_position: block 0), each
+                # block once, at most the endpoint's capacity (as observe_peer_placements).
+                blocks = np.concatenate(chains[::-1]).astype(np.uint64, copy=False)
+                _, first = np.unique(blocks, return_index=True)
+                newest = np.sort(first)[: self._capacity_blocks[i]]
+                self.index.record_position(i, blocks[newest])
+            else:
+                blocks = np.concatenate(chains).astype(np.uint64, copy=False)
+                self.index.remove_position(i, blocks)
 
     # -- placements shared with peers -----------------------------------------------------
     def _log_placement(self, address: str, hashes: np.ndarray) -> None:

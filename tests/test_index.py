@@ -155,6 +155,35 @@ def test_index_matches_per_endpoint_and_forgets():
     assert index.stats().endpoints == 2
 
 
+def test_removed_blocks_leave_their_endpoint_only_and_free_their_slots():
+    """An endpoint's own eviction report (a KV-cache event) empties those blocks' slots: the
+    match ends where the chain lost its tail, the fill falls, another endpoint holding the
+    same blocks keeps them, and the freed slots take new blocks first."""
+    rng = random.Random(11)
+    blocks = chain(rng, 12)
+    index = PrefixIndex()
+    index.set_endpoints({"a": 100, "b": 100})
+    index.record("a", blocks)
+    index.record("b", blocks)
+    assert index.remove_position(0, blocks[6:]) == 6
+    assert index.match(blocks, ["a", "b"]) == {"a": 6, "b": 12}
+    assert index.entries_by_endpoint() == {"a": 6, "b": 12}
+    assert index.remove_position(0, blocks[6:]) == 0  # gone already: nothing to empty
+    assert index.remove_position(0, blocks[:0]) == 0
+    index.remove_position(0, blocks[:6])  # the rest went too (tail first, as vLLM evicts)
+    assert index.match(blocks, ["a", "b"]) == {"b": 12}
+    assert index.entries_by_endpoint()["a"] == 0
+    full = one(WAYS)  # one bucket: a removed block's slot is the next one filled
+    first, new = chain(rng, WAYS), chain(rng, 1)
+    full.record("a", first)
+    full.remove_position(0, first[3:4])
+    full.record("a", new)  # into the freed slot, evicting none of the others
+    assert full.stats().entries == WAYS
+    assert full.match(first[:3], ["a"]) == {"a": 3}
+    assert full.match(first[4:], ["a"]) == {"a": WAYS - 4}
+    assert full.match(new, ["a"]) == {"a": 1}
+
+
 def test_fill_is_the_share_of_slots_in_use_per_endpoint():
     rng = random.Random(7)
     index = PrefixIndex()

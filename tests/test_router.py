@@ -1248,3 +1248,33 @@ def test_a_prompt_longer_than_every_cache_stays_with_its_holder():
         )
     again = router.route(parse_request("chat", body))
     assert (again.endpoint, again.rule) == (first.endpoint, RULE_AFFINITY)
+
+
+def test_an_endpoints_cache_events_teach_the_index_what_it_holds_in_order():
+    """KV-cache events (what an endpoint reports storing and evicting, as this router's block
+    hashes) put another router's placement in this one's index, take an eviction out, and
+    apply in order: a chain stored again after its removal is held."""
+    a, b = Router(RoutingConfig(), ENDPOINTS), Router(RoutingConfig(), ENDPOINTS)
+    request = chat("What is a B-tree? " * 40)
+    placed = a.route(request)  # another router replica placed it; b never saw it
+    hashes = placed.hashes
+    other = next(e.address for e in ENDPOINTS if e.address != placed.endpoint)
+    blocks = len(hashes)
+
+    def held(where: str) -> int:
+        return b.index.match(hashes, [where]).get(where, 0)
+
+    assert held(placed.endpoint) == 0
+    b.observe_cache_events(placed.endpoint, [(True, hashes)])
+    assert held(placed.endpoint) == blocks and held(other) == 0
+    seen = b.route(request)  # b now sends it where its prefix is
+    assert seen.endpoint == placed.endpoint and seen.matched_blocks == blocks
+    b.observe_cache_events(placed.endpoint, [(False, hashes[blocks // 2 :])])
+    assert held(placed.endpoint) == blocks // 2
+    b.observe_cache_events(placed.endpoint, [(True, hashes[blocks // 2 :]), (False, hashes)])
+    assert held(placed.endpoint) == 0
+    b.observe_cache_events(placed.endpoint, [(False, hashes), (True, hashes[:3])])
+    assert held(placed.endpoint) == 3
+    b.observe_cache_events("10.9.9.9:8000", [(True, hashes)])  # not an endpoint: ignored
+    b.observe_cache_events(placed.endpoint, [])
+    assert held(placed.endpoint) == 3

@@ -792,3 +792,102 @@ def test_a_replica_out_of_batch_slots_is_priced_by_how_fast_it_admits() -> None:
     )
     assert on["ttft_p99_ms"] < off["ttft_p99_ms"] / 4, (on, off)
     assert on["load_max_over_mean"] < off["load_max_over_mean"], (on, off)
+
+
+def test_a_replica_announces_computed_blocks_at_the_end_of_prefill_and_evictions_at_once() -> None:
+    """KV-cache events as vLLM sends them: a prompt's new blocks once its prefill computed
+    them, an eviction when it happens, nothing for a hit."""
+    published: list[list[tuple[bool, int, int]]] = []
+    replica = Replica(0, 64, CostModel())
+    replica.listen_cache_events(published.append)
+    first = _request(0, (1, 2, 3))
+    replica.enqueue(first)
+    replica.start_prefill()
+    assert published == []  # computing: not announced yet
+    replica.end_prefill(first)
+    assert published == [[(True, 3, 16), (True, 2, 16), (True, 1, 16)]]
+    replica.finish(first)
+    again = _request(1, (1, 2, 3))  # all cached: a hit announces nothing
+    replica.enqueue(again)
+    replica.start_prefill()
+    replica.end_prefill(again)
+    replica.finish(again)
+    assert len(published) == 1
+    other = _request(2, (7, 8))  # 32 tokens + 4 output: the pool evicts 3, then 2
+    replica.enqueue(other)
+    replica.start_prefill()
+    assert published[1:] == [[(False, 3, 0), (False, 2, 0)]]  # evicted at once
+    replica.end_prefill(other)
+    assert published[2] == [(True, 8, 16), (True, 7, 16)]
+    with pytest.raises(ValueError, match="one KV pool"):
+        Replica(0, 64, CostModel(), kv_pool="split").listen_cache_events(published.append)
+
+
+@pytest.mark.parametrize(
+    ("capacity", "cache_outputs"), [(800, False), (800, True), (20_000, False), (20_000, True)]
+)
+def test_replaying_the_cache_events_gives_what_each_replica_holds(
+    small_chat: Workload, capacity: int, cache_outputs: bool
+) -> None:
+    """What a subscriber learns from the events (stored minus removed, in order) is each
+    replica's cache: evictions, preemptions (800 tokens preempts) and cached replies
+    included."""
+    seen: list[dict[int, int]] = []
+
+    def listen(replicas: list[Replica]) -> None:
+        for replica in replicas:
+            held: dict[int, int] = {}
+            seen.append(held)
+
+            def apply(events, held=held) -> None:
+                for stored, chunk, units in events:
+                    if stored:
+                        held[chunk] = units
+                    else:
+                        held.pop(chunk, None)
+
+            replica.listen_cache_events(apply)
+
+    params = SimParams(replicas=4, capacity_tokens=capacity, seed=1, cache_outputs=cache_outputs)
+    original = Replica.__init__
+
+    def init(self, *args, **kwargs) -> None:
+        original(self, *args, **kwargs)
+        listen([self])
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(Replica, "__init__", init)
+        result = simulate(small_chat, "round-robin", params)
+    assert [dict(r.cache._held) for r in result.replicas] == seen
+    assert all(seen) and (capacity > 800 or sum(r.preemptions for r in result.replicas))
+
+
+def test_cache_events_let_router_replicas_find_each_others_prefixes(small_chat: Workload) -> None:
+    """Four router replicas without shared state send requests away from the replica that
+    holds most of their prompt (other routers placed it there); reading the replicas' cache
+    events, they do so less and hit more. One router alone knows its placements already."""
+    audit = {}
+    for k in (1, 4):
+        for delay in (None, 50.0):
+            params = SimParams(
+                replicas=4, capacity_tokens=20_000, seed=1, router_replicas=k, audit=True
+            )
+            result = simulate(small_chat, "ours", dataclasses.replace(params, kv_events_ms=delay))
+            hits = sum(r.hit_tokens for r in result.records)
+            assert hits == sum(x.hit_tokens for x in result.replicas)
+            missed = sum(a.off_best_holder for a in result.audit.values())
+            audit[k, delay] = (missed, summarize(result, 1.0)["hit_ratio"])
+    assert audit[4, 50.0][0] < audit[4, None][0] and audit[4, 50.0][1] > audit[4, None][1]
+    assert audit[1, 50.0] == audit[1, None]
+
+
+def test_cli_kv_events_reach_ours_and_are_recorded(tmp_path, capsys) -> None:
+    run = functools.partial(_simulate_ours_on_small_chat, tmp_path)
+    default = run("--router-replicas", "4")
+    events = run("--router-replicas", "4", "--kv-events", "50")
+    assert events["params"]["kv_events_ms"] == 50 and default["params"]["kv_events_ms"] is None
+    assert "KV-cache events 50 ms late (--kv-events)" in capsys.readouterr().out
+    assert events["policies"]["ours"]["hit_ratio"] != default["policies"]["ours"]["hit_ratio"]
+    for bad in (["--kv-events", "-1"], ["--kv-events", "5", "--kv-pool", "split"]):
+        with pytest.raises(SystemExit, match="--kv-events"):
+            run(*bad)

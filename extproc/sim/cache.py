@@ -99,11 +99,14 @@ class KVPool(_HeldChunks):
     vLLM exports as KV-cache usage; ``used`` adds the free cached chunks.
     """
 
-    __slots__ = ("_free", "_refs", "pinned")
+    __slots__ = ("_free", "_refs", "events", "pinned")
 
     def __init__(self, capacity: float) -> None:
         super().__init__(capacity, {})  # chunk -> units held, pinned or free
         self.pinned = 0
+        # What vLLM's KV-cache events would report, when someone listens (None: nobody):
+        # (stored, chunk, units held), in order; a hit announces nothing, as in vLLM.
+        self.events: list[tuple[bool, int, int]] | None = None
         self._refs: dict[int, int] = {}  # chunk -> running requests using it (> 0 only)
         self._free: OrderedDict[int, None] = OrderedDict()  # unpinned chunks, evicted first
 
@@ -120,7 +123,7 @@ class KVPool(_HeldChunks):
     def pin(self, ids: Sequence[int], full: int, last: int, private: int) -> None:
         """A request starts: hold its chunks (adding the missing ones) and its private units,
         then evict free chunks down to capacity."""
-        held, refs, free = self._held, self._refs, self._free
+        held, refs, free, events = self._held, self._refs, self._free, self.events
         for chunk, need in _tail_first(ids, full, last):
             have = held.get(chunk)
             if have is None:
@@ -128,10 +131,14 @@ class KVPool(_HeldChunks):
                 self.used += need
                 self.pinned += need
                 refs[chunk] = 1
+                if events is not None:
+                    events.append((True, chunk, need))
                 continue
             if have < need:
                 held[chunk] = need
                 self.used += need - have
+                if events is not None:
+                    events.append((True, chunk, need))
             count = refs.get(chunk, 0)
             if count:
                 self.pinned += max(0, need - have)
@@ -162,6 +169,8 @@ class KVPool(_HeldChunks):
                 held[chunk] = units
                 self.used += units  # the private units it came from are released below
                 free[chunk] = None
+                if self.events is not None:
+                    self.events.append((True, chunk, units))
         for chunk in reversed(ids):  # tail first, as vLLM frees a sequence's blocks
             count = refs[chunk] - 1
             if count:
@@ -182,9 +191,13 @@ class KVPool(_HeldChunks):
             if chunk in held and chunk not in refs:
                 del free[chunk]
                 self.used -= held.pop(chunk)
+                if self.events is not None:
+                    self.events.append((False, chunk, 0))
 
     def _evict(self) -> None:
         held, free = self._held, self._free
         while self.used > self.capacity and free:
             chunk, _ = free.popitem(last=False)
             self.used -= held.pop(chunk)
+            if self.events is not None:
+                self.events.append((False, chunk, 0))

@@ -47,6 +47,10 @@ class SimParams:
     # A finished chat request's reply stays in its replica's cache (vLLM v1 caches every
     # full block it computes), so the next turn, which carries it, can hit it there.
     cache_outputs: bool = False
+    # Ours' router replicas read the replicas' KV-cache events (vLLM's BlockStored /
+    # BlockRemoved), each this many ms after it happened; None: they do not (the default:
+    # the server does not subscribe to them yet).
+    kv_events_ms: float | None = None
 
 
 @dataclass(slots=True)
@@ -103,6 +107,7 @@ def simulate(
         share_queues=params.share_queues,
         share_placements=params.share_placements,
         server_blocks=params.server_blocks,
+        cache_events_delay=None if params.kv_events_ms is None else params.kv_events_ms / 1000.0,
     )
     chunk_tokens = requests[0].chunk_tokens if requests else 16
     router = make_policy(policy, ctx, params.router_replicas, chunk_tokens)

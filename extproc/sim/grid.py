@@ -110,6 +110,7 @@ def run_one(
     kv_pool: str = DEFAULT_KV_POOL,
     server_blocks: bool = False,
     cache_outputs: bool = False,
+    kv_events_ms: float | None = None,
 ) -> tuple[Cell, str, dict[str, Any]]:
     """One simulation (runs in a worker process; everything it takes is picklable)."""
     cost = CostModel()
@@ -125,6 +126,7 @@ def run_one(
         kv_pool=kv_pool,
         server_blocks=server_blocks,
         cache_outputs=cache_outputs,
+        kv_events_ms=kv_events_ms,
     )
     workload = _workload(cell.workload, trace, seed)
     result = simulate(workload, policy, params)
@@ -172,6 +174,7 @@ def run_grid(
     kv_pool: str = DEFAULT_KV_POOL,
     server_blocks: bool = False,
     cache_outputs: bool = False,
+    kv_events_ms: float | None = None,
 ) -> dict[Cell, dict[str, dict[str, Any]]]:
     """Peers and bounds run at K=1 only (their K sweep is `simulate --sweep-k`'s job).
     ``done`` is called once per (cell, policy), when all its seeds have run."""
@@ -204,6 +207,7 @@ def run_grid(
                     kv_pool,
                     server_blocks,
                     cache_outputs,
+                    kv_events_ms,
                 ),
             )
             for c, p, seed in work

@@ -16,10 +16,12 @@ from __future__ import annotations
 import bisect
 import math
 import random
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+import numpy as np
 from xxhash import xxh3_64_intdigest
 
 from ..config import EndpointConfig, PeersConfig, RoutingConfig, SignalsConfig
@@ -57,6 +59,9 @@ class PolicyContext:
     share_placements: bool = False
     # Ours keeps its configured block size (SimParams.server_blocks).
     server_blocks: bool = False
+    # Ours' router replicas read the replicas' KV-cache events this long (seconds) after
+    # they happen (SimParams.kv_events_ms); None: they do not.
+    cache_events_delay: float | None = None
 
     @property
     def n(self) -> int:
@@ -356,6 +361,59 @@ def sim_routing_config(base: RoutingConfig, chunk_tokens: int) -> RoutingConfig:
     )
 
 
+class CacheEventFeed:
+    """The replicas' KV-cache events (vLLM's BlockStored / BlockRemoved over ZMQ) as ours'
+    router replicas would read them: every subscriber gets every event ``delay`` seconds
+    after it happened, in block hashes of the router's own (what a router that tokenises
+    and hashes the events' tokens as it hashes prompts computes). A chunk's hashes are
+    learnt from the first request that carried it as whole blocks; a block never hashed by
+    a router (a reply not yet carried back, a prompt's partial last chunk) is left out."""
+
+    def __init__(self, ctx: PolicyContext, delay: float) -> None:
+        self.ctx = ctx
+        self.delay = delay
+        self.queues: list[deque[tuple[float, int, list[tuple[bool, int, int]]]]] = []
+        # chunk id -> the router's block hashes of its whole blocks
+        self.chunk_hashes: dict[int, np.ndarray] = {}
+        for r, replica in enumerate(ctx.replicas):
+            replica.listen_cache_events(lambda events, r=r: self._publish(r, events))
+
+    def _publish(self, replica: int, events: list[tuple[bool, int, int]]) -> None:
+        for queue in self.queues:
+            queue.append((self.ctx.now, replica, events))
+
+    def subscribe(self) -> deque[tuple[float, int, list[tuple[bool, int, int]]]]:
+        queue: deque[tuple[float, int, list[tuple[bool, int, int]]]] = deque()
+        self.queues.append(queue)
+        return queue
+
+    def learn(self, ids: Sequence[int], hashes: np.ndarray, per_chunk: int) -> None:
+        """The hashes a router computed for a request's chunks (per_chunk blocks each)."""
+        known = self.chunk_hashes
+        for i, chunk in enumerate(ids):
+            blocks = hashes[i * per_chunk : (i + 1) * per_chunk]
+            if not len(blocks):
+                break
+            if len(blocks) > len(known.get(chunk, ())):
+                known[chunk] = blocks
+
+    def hashes(
+        self, events: list[tuple[bool, int, int]], block_tokens: int
+    ) -> list[tuple[bool, np.ndarray]]:
+        """(stored, router block hashes) of each event: a stored chunk's whole blocks of
+        ``block_tokens`` among the units it holds, a removed chunk's every block."""
+        out = []
+        for stored, chunk, units in events:
+            blocks = self.chunk_hashes.get(chunk)
+            if blocks is None:
+                continue
+            if stored:
+                blocks = blocks[: units // block_tokens]
+            if len(blocks):
+                out.append((stored, blocks))
+        return out
+
+
 # A replica's prefill counters before its first request.
 _NO_PREFILLS = EndpointSignals(up=True, prefill_tokens=0.0, prefills=0.0, prefill_seconds=0.0)
 
@@ -363,10 +421,26 @@ _NO_PREFILLS = EndpointSignals(up=True, prefill_tokens=0.0, prefills=0.0, prefil
 class OursPolicy:
     """extproc.router.Router, unchanged: route() on an LLMRequest, finish() on completion."""
 
-    def __init__(self, ctx: PolicyContext, prompts: PromptBytes, chunk_tokens: int) -> None:
+    def __init__(
+        self,
+        ctx: PolicyContext,
+        prompts: PromptBytes,
+        chunk_tokens: int,
+        cache_events: CacheEventFeed | None = None,
+    ) -> None:
         self.ctx = ctx
         self.prompts = prompts
         config = ctx.routing if ctx.server_blocks else sim_routing_config(ctx.routing, chunk_tokens)
+        # KV-cache events: this replica's queue of them, and the router's blocks per chunk.
+        self.cache_events = cache_events
+        self.event_queue = cache_events.subscribe() if cache_events is not None else None
+        self.block_tokens = config.block_size_bytes // BYTES_PER_TOKEN
+        if cache_events is not None and chunk_tokens % self.block_tokens:
+            raise ValueError(
+                f"cache events need whole router blocks per chunk: {chunk_tokens} tokens "
+                f"against blocks of {self.block_tokens}"
+            )
+        self.blocks_per_chunk = max(1, chunk_tokens // self.block_tokens)
         addresses = [f"10.0.{r // 250}.{r % 250 + 1}:8000" for r in range(ctx.n)]
         self.replica_of = {a: r for r, a in enumerate(addresses)}
         self.router = Router(
@@ -431,10 +505,27 @@ class OursPolicy:
                     )
                     self.peer_seen[log.id] = log.last
             self.next_peer_poll = now + self.peer_every
+        if self.event_queue is not None:
+            self._read_cache_events(now)
         decision = self.router.route(self.prompts.request(request))
+        if self.cache_events is not None:
+            self.cache_events.learn(request.ids, decision.hashes, self.blocks_per_chunk)
         self.rules[decision.rule] = self.rules.get(decision.rule, 0) + 1
         assert decision.endpoint is not None
         return self.replica_of[decision.endpoint], decision
+
+    def _read_cache_events(self, now: float) -> None:
+        """Every event that reached this router by ``now``, one batch per replica."""
+        queue, feed = self.event_queue, self.cache_events
+        assert queue is not None and feed is not None
+        due: dict[int, list[tuple[bool, int, int]]] = {}
+        while queue and queue[0][0] + feed.delay <= now:
+            _, replica, events = queue.popleft()
+            due.setdefault(replica, []).extend(events)
+        for replica, events in due.items():
+            self.router.observe_cache_events(
+                self.addresses[replica], feed.hashes(events, self.block_tokens)
+            )
 
     def finish(self, handle: Any) -> None:
         self.router.finish(handle)
@@ -486,9 +577,14 @@ def make_policy(
 ) -> RouterGroup:
     prompts = PromptBytes()
     if name == "ours":
+        feed = (
+            CacheEventFeed(ctx, ctx.cache_events_delay)
+            if ctx.cache_events_delay is not None
+            else None
+        )
 
         def build() -> Any:
-            return OursPolicy(ctx, prompts, chunk_tokens)
+            return OursPolicy(ctx, prompts, chunk_tokens, feed)
     elif name in PEERS:
 
         def build() -> Any:

@@ -36,6 +36,7 @@ request that was preempted (or finished) since they were scheduled.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 from .cache import ChunkLRU, KVPool
@@ -138,6 +139,34 @@ class Replica:
         self.peak_in_flight = 0
         self.preemptions = 0
         self.recomputed_tokens = 0
+        # KV-cache events (vLLM's BlockStored / BlockRemoved), for a router that subscribes
+        # (listen_cache_events); None: nobody does. A prompt's blocks are announced when its
+        # prefill ends, as vLLM announces blocks once computed; evictions at once.
+        self._publish: Callable[[list[tuple[bool, int, int]]], None] | None = None
+        self._computing: dict[int, list[tuple[bool, int, int]]] = {}
+
+    def listen_cache_events(self, publish: Callable[[list[tuple[bool, int, int]]], None]) -> None:
+        """Call ``publish`` with every batch of (stored, chunk, units held) cache events."""
+        if not isinstance(self.cache, KVPool):
+            raise ValueError("cache events need one KV pool (kv_pool 'preempt' or 'shared')")
+        self._publish = publish
+        self.cache.events = []
+
+    def _flush_events(self, computing: int | None = None) -> None:
+        """Publish what the pool reported; with ``computing`` (a request whose prefill just
+        started), its stored blocks wait for the end of that prefill."""
+        if self._publish is None:
+            return
+        events = self.cache.events
+        assert events is not None
+        if not events:
+            return
+        if computing is not None:
+            self._computing[computing] = [e for e in events if e[0]]
+            events = [e for e in events if not e[0]]
+        self.cache.events = []  # type: ignore[union-attr]
+        if events:
+            self._publish(events)
 
     @property
     def in_flight(self) -> int:
@@ -227,9 +256,11 @@ class Replica:
             whole = hit == full * (len(request.ids) - 1) + last
             state.cached_chunks = len(request.ids) if whole else hit // max(1, full)
             self.cache.pin(request.ids, full, last, state.private)
+            self._flush_events(computing=request.rid)
             self.admitted[request.rid] = state
         elif isinstance(self.cache, KVPool):
             self.cache.pin(request.ids, full, last, self._private(request, full, last))
+            self._flush_events(computing=request.rid)
         else:
             self.cache.touch(request.ids, full, last)
         duration = self.cost.prefill_ms(tokens, hit)
@@ -247,6 +278,9 @@ class Replica:
         """The request's first token is out; returns its decode duration in ms (under
         kv_pool="preempt", its decode step: the engine schedules its blocks by it)."""
         self.prefilling = False
+        computed = self._computing.pop(request.rid, None)
+        if computed and self._publish is not None:
+            self._publish(computed)
         step = self.cost.decode_step_ms(self.running, self.running_tokens)
         if self.preempts:
             state = self.progress[request.rid]
@@ -283,6 +317,7 @@ class Replica:
                 return False
         state.private += need
         pool.grow(need)
+        self._flush_events()
         return True
 
     def _preempt(self, state: Progress, now_ms: float) -> None:
@@ -301,12 +336,18 @@ class Replica:
             # Stopped mid-prefill: what it was computing is not cached (the sim's prefill is
             # one step, so none of it).
             pool.forget(request.ids[state.cached_chunks :])
+            # Not computed, so not announced, unless another running request still holds
+            # a chunk (it met it cached): that one stays, and so does its announcement.
+            computing = self._computing.pop(request.rid, [])
+            if pool.events is not None:
+                pool.events.extend(e for e in computing if e[1] in pool)
             state.prefilling = False
             self.prefilling = False
         self.running -= 1
         self.running_tokens -= request.input_tokens + request.output_tokens
         self.waiting.appendleft(request)
         self.preemptions += 1
+        self._flush_events()
 
     def epoch(self, request: SimRequest) -> int:
         """The request's preemption count; -1 once it finished (every event left is stale)."""
@@ -325,5 +366,6 @@ class Replica:
             self.cache.release(
                 request.ids, self._private(request, full, last), self._reply_blocks(request)
             )
+        self._flush_events()
         self.running -= 1
         self.running_tokens -= request.input_tokens + request.output_tokens
