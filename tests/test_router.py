@@ -1278,3 +1278,20 @@ def test_an_endpoints_cache_events_teach_the_index_what_it_holds_in_order():
     b.observe_cache_events("10.9.9.9:8000", [(True, hashes)])  # not an endpoint: ignored
     b.observe_cache_events(placed.endpoint, [])
     assert held(placed.endpoint) == 3
+
+
+@pytest.mark.parametrize(("finished_per_sent", "applied"), [(1.0, False), (4.0, True)])
+def test_a_router_alone_ignores_cache_events_one_of_several_reads_them(finished_per_sent, applied):
+    """A router that places all the traffic recorded every placement itself (and reading
+    the events cost it hit ratio in the simulator's overloaded cells); one that places a
+    quarter learns the others' placements from them."""
+    router = Router(RoutingConfig(), ENDPOINTS)
+    for i in range(24):
+        router.finish(router.route(chat(f"conversation {i} " * 30)))
+    _report_finished(router, finished_per_sent)
+    request = chat("What is a B-tree? " * 40, system="another application's prompt " * 20)
+    hashes = Router(RoutingConfig(), ENDPOINTS).route(request).hashes
+    target = ENDPOINTS[0].address
+    router.observe_cache_events(target, [(True, hashes)])
+    held = router.index.match(hashes, [target]).get(target, 0)
+    assert held == (len(hashes) if applied else 0)
