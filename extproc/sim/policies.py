@@ -366,8 +366,9 @@ class CacheEventFeed:
     router replicas would read them: every subscriber gets every event ``delay`` seconds
     after it happened, in block hashes of the router's own (what a router that tokenises
     and hashes the events' tokens as it hashes prompts computes). A chunk's hashes are
-    learnt from the first request that carried it as whole blocks; a block never hashed by
-    a router (a reply not yet carried back, a prompt's partial last chunk) is left out."""
+    learnt from the requests that carried it (as many whole blocks as any of them had); a
+    block never hashed by a router (a reply not yet carried back, a prompt's partial last
+    chunk) is left out."""
 
     def __init__(self, ctx: PolicyContext, delay: float) -> None:
         self.ctx = ctx
