@@ -19,7 +19,10 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "fake-replica": ("extproc.fake_replica", "run a stand-in OpenAI-compatible model server"),
     "lab": ("extproc.lab", "real model servers (vLLM on CPU) or stand-ins: up, down, status"),
     "demo": ("extproc.demo", "Envoy + router + stand-in replicas: prefix vs round robin"),
-    "bench": ("extproc.bench", "benchmarks: simulate"),
+    "bench": (
+        "extproc.bench",
+        "benchmarks: simulate, grid, core, latency, overhead, live",
+    ),
 }
 
 
