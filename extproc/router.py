@@ -812,12 +812,7 @@ class Router:
             if not chains:
                 continue
             if stored:
-                # One update, newest event's blocks newest (record_position: block 0), each
-                # block once, at most the endpoint's capacity (as observe_peer_placements).
-                blocks = np.concatenate(chains[::-1]).astype(np.uint64, copy=False)
-                _, first = np.unique(blocks, return_index=True)
-                newest = np.sort(first)[: self._capacity_blocks[i]]
-                self.index.record_position(i, blocks[newest])
+                self._record_newest_first(i, chains[::-1])  # the newest event's blocks newest
             else:
                 blocks = np.concatenate(chains).astype(np.uint64, copy=False)
                 self.index.remove_position(i, blocks)
@@ -843,9 +838,14 @@ class Router:
                 by_position.setdefault(i, []).append(placement.hashes[: self.config.max_blocks])
                 recorded += 1
         for i, chains in by_position.items():
-            hashes = np.concatenate(chains).astype(np.uint64, copy=False)
-            _, first = np.unique(hashes, return_index=True)
-            # More than the endpoint holds would only evict the batch's own newer blocks.
-            newest = np.sort(first)[: self._capacity_blocks[i]]
-            self.index.record_position(i, hashes[newest])
+            self._record_newest_first(i, chains)
         return recorded
+
+    def _record_newest_first(self, i: int, chains: Sequence[np.ndarray]) -> None:
+        """Several chains held at endpoint ``i``, newest first, as one index update: each
+        block once, where it first appears (record_position makes block 0 the newest), at
+        most the endpoint's capacity: more would only evict the batch's own newer blocks."""
+        hashes = np.concatenate(chains).astype(np.uint64, copy=False)
+        _, first = np.unique(hashes, return_index=True)
+        newest = np.sort(first)[: self._capacity_blocks[i]]
+        self.index.record_position(i, hashes[newest])
