@@ -31,6 +31,7 @@ from .sim.workloads import PRESETS, Workload, load_mooncake
 OTHER_BENCHMARKS = {
     "latency": ("extproc.latency", "what the router adds to one request through Envoy"),
     "core": ("extproc.bench_core", "the routing core alone, per body size and endpoints"),
+    "events": ("extproc.bench_events", "translating vLLM's KV-cache events, per prompt size"),
     "overhead": ("extproc.bench_overhead", "throughput and latency through Envoy, with wrk"),
     "live": (
         "extproc.bench_live",

@@ -539,6 +539,58 @@ class PeersConfig(_Strict):
         return self
 
 
+class CacheEventsConfig(_Strict):
+    """The endpoints' own KV-cache events (vLLM's ``--kv-events-config``, ZMQ publisher):
+    blocks each endpoint stored and evicted, whoever routed the request, translated into
+    this router's block hashes (extproc/cache_events.py); off while ``publisher`` is ''.
+    A router that places (nearly) all the traffic itself ignores stored and evicted blocks
+    (docs/benchmarks.md, "KV-cache events"); a cleared cache always empties its index."""
+
+    publisher: str = Field(
+        default="",
+        description="ZMQ address of each endpoint's event publisher, {host} and {port} "
+        "taken from the endpoint's address: tcp://{host}:5557, or ipc:///run/kv-{port}.ipc",
+    )
+    replay: str = Field(
+        default="",
+        description="ZMQ address of each endpoint's replay socket (vLLM's replay_endpoint), "
+        "{host} and {port} filled likewise: messages missed (sequence gaps, a late start) "
+        "are asked for there ('' = none)",
+    )
+    topic: str = Field(default="", description="topic prefix to subscribe to ('' = all)")
+    model_dir: str = Field(
+        default="",
+        description="directory with the served model's tokenizer.json and "
+        "tokenizer_config.json (its chat template): the files the model server loads",
+    )
+    model: str = Field(
+        default="", description="the model name clients send (it keys the block hashes)"
+    )
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.publisher)
+
+    @field_validator("publisher", "replay")
+    @classmethod
+    def _zmq_address(cls, value: str) -> str:
+        if value and not value.startswith(("tcp://", "ipc://")):
+            raise ValueError(f"{value!r} is not a tcp:// or ipc:// address")
+        try:
+            value.format(host="h", port=1)
+        except (KeyError, IndexError, ValueError) as exc:
+            raise ValueError(
+                f"{value!r}: only {{host}} and {{port}} may be filled ({exc})"
+            ) from None
+        return value
+
+    @model_validator(mode="after")
+    def _complete(self) -> CacheEventsConfig:
+        if self.enabled and not (self.model_dir and self.model):
+            raise ValueError("publisher is set: set model_dir and model too")
+        return self
+
+
 class TLSConfig(_Strict):
     """TLS (and mTLS) on the gRPC port Envoy connects to; off while cert_file is unset.
 
@@ -590,6 +642,7 @@ class Config(_Strict):
     )
     discovery: DiscoveryConfig = DiscoveryConfig()
     tls: TLSConfig = TLSConfig()
+    cache_events: CacheEventsConfig = CacheEventsConfig()
 
     @field_validator("endpoints", mode="before")
     @classmethod

@@ -56,6 +56,23 @@ def block_hashes(prompt: bytes, root: int, block_size: int, max_blocks: int) -> 
     return hashes
 
 
+def block_hashes_after(
+    prompt: bytes, previous: int, start: int, block_size: int, max_blocks: int
+) -> np.ndarray:
+    """block_hashes(prompt, ...)[start:], from ``previous``: the hash of block start - 1
+    (the root when start is 0). A chain that grows by a block at a time (a reply being
+    generated) then costs its new blocks, not its whole length."""
+    count = min(len(prompt) // block_size, max_blocks)
+    if count <= start:
+        return EMPTY
+    blocks = _splitter(block_size, count - start).unpack_from(prompt, start * block_size)
+    hashes = np.fromiter(map(xxh3_64_intdigest, blocks), dtype=np.uint64, count=count - start)
+    hashes *= _multipliers(max(count, max_blocks))[start:count]
+    hashes[0] ^= np.uint64(previous)
+    np.bitwise_xor.accumulate(hashes, out=hashes)
+    return hashes
+
+
 def keyed_by_turns(request: LLMRequest, mode: str) -> bool:
     """Whether the session key follows the request's turns (a chat body in 'first_turn'
     mode); otherwise it is the first cold_start_blocks blocks (a completion has no turns)."""

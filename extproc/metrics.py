@@ -127,6 +127,15 @@ class RouterMetrics:
             "prefix_router_peer_placements",
             "Placements read from peer router replicas into this one's index (peers config)",
         )
+        self.cache_events = counter(
+            "prefix_router_cache_events",
+            "The endpoints' KV-cache events read (cache_events config), by kind: "
+            "stored_blocks / removed_blocks (the router's blocks they gave), cleared, "
+            "untranslated_blocks (the endpoint's blocks that gave none), ignored_messages "
+            "(a router placing nearly all traffic ignores stores and evictions), "
+            "missed_messages (sequence gaps), malformed_messages",
+            ("endpoint", "kind"),
+        )
         self.peers = gauge(
             "prefix_router_peers",
             "Other router replicas whose queued work this one counts (heard from recently)",

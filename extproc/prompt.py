@@ -67,6 +67,16 @@ def _frame(role: str, content: bytes) -> bytes:
     return b"\x01" + _escape(role.encode()) + b"\x02" + _escape(content) + b"\x03"
 
 
+def canonical_conversation(messages: list[tuple[str, bytes]], last_complete: bool) -> bytes:
+    """The canonical bytes of a chat's messages (role, content), as ``parse_request`` frames
+    them; an incomplete last message (a model server's cached text that stops inside it)
+    gives a byte prefix of what the whole message would (escaping is byte-local)."""
+    framed = [_frame(role, content) for role, content in messages]
+    if framed and not last_complete:
+        framed[-1] = framed[-1][:-1]
+    return b"".join(framed)
+
+
 def _dump(value: Any) -> bytes:
     return orjson.dumps(value, option=orjson.OPT_SORT_KEYS)
 

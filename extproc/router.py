@@ -788,34 +788,41 @@ class Router:
         return True
 
     # -- the endpoints' own cache reports -------------------------------------------------
-    def observe_cache_events(self, address: str, events: Sequence[tuple[bool, np.ndarray]]) -> None:
+    def observe_cache_events(
+        self, address: str, events: Sequence[tuple[bool | None, np.ndarray]]
+    ) -> bool:
         """What an endpoint reports it stored and evicted (vLLM's KV-cache events), in
-        order, each (stored, block hashes of this router's): its index then holds what the
-        endpoint holds, whoever placed it, where its own record of its placements is a
-        guess that other router replicas' placements and the endpoint's evictions leave
-        behind (the K=4 gap, docs/benchmarks.md). Its own placements are still recorded at
-        the decision: an endpoint reports a prefix only once its prefill computed it.
-        A run of events of one kind is applied as one index update.
+        order, each (stored, block hashes of this router's), or (None, ...): it cleared its
+        whole cache. The index then holds what the endpoint holds, whoever placed it, where
+        its own record of its placements is a guess that other router replicas'
+        placements and the endpoint's evictions leave behind (the K=4 gap,
+        docs/benchmarks.md). Its own placements are still recorded at the decision: an
+        endpoint reports a prefix only once its prefill computed it. A run of events of
+        one kind is applied as one index update.
 
         A router known to place (nearly) all the traffic (its measured share at least
-        balance_min_share) ignores them: it recorded every placement at its decision, and
-        in the simulator's two overloaded cells reading the events cost a router alone up
-        to 0.07 of hit ratio and 40% of p99, while elsewhere they changed it by under 0.005
-        (docs/benchmarks.md, "KV-cache events")."""
+        balance_min_share) ignores stores and evictions, and returns False: it recorded
+        every placement at its decision, and in the simulator's two overloaded cells
+        reading them cost a router alone up to 0.07 of hit ratio and 40% of p99, while
+        elsewhere they changed it by under 0.005 (docs/benchmarks.md, "KV-cache events").
+        A cleared cache empties the endpoint's index either way."""
         i = self._position.get(address)
         if i is None:
-            return
-        if self._share_measured and self._traffic_share >= self.config.balance_min_share:
-            return
+            return False
+        alone = self._share_measured and self._traffic_share >= self.config.balance_min_share
         for stored, run in itertools.groupby(events, key=lambda event: event[0]):
+            if stored is None:
+                self.index.forget(address)
+                continue
             chains = [hashes for _, hashes in run if len(hashes)]
-            if not chains:
+            if alone or not chains:
                 continue
             if stored:
                 self._record_newest_first(i, chains[::-1])  # the newest event's blocks newest
             else:
                 blocks = np.concatenate(chains).astype(np.uint64, copy=False)
                 self.index.remove_position(i, blocks)
+        return not alone
 
     # -- placements shared with peers -----------------------------------------------------
     def _log_placement(self, address: str, hashes: np.ndarray) -> None:

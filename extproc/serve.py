@@ -31,6 +31,8 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from prometheus_client.multiprocess import mark_process_dead
 
 from .admin import DecisionLog, build_admin_app, decision_record, start_admin
+from .cache_events import Translation, load_translation
+from .cache_subscriber import CacheEventSubscriber
 from .config import (
     Config,
     ConfigError,
@@ -88,6 +90,20 @@ def process_metrics() -> RouterMetrics:
     return _METRICS
 
 
+def check_cache_events(config: Config) -> Translation:
+    """The cache_events translation of the configured model's tokeniser and chat template,
+    or a ConfigError naming the field."""
+    try:
+        return load_translation(
+            config.cache_events.model_dir,
+            config.cache_events.model,
+            config.routing.block_size_bytes,
+            config.routing.max_blocks,
+        )
+    except (OSError, ValueError, KeyError) as exc:
+        raise ConfigError(f"config field cache_events.model_dir: {exc}") from None
+
+
 class RouterService:
     """The gRPC server, router, probes, scraper and (single-process) admin of one worker.
 
@@ -132,6 +148,15 @@ class RouterService:
         )
         if sharing:
             self.router.placements = PlacementLog(scheme)
+        self.cache_events: CacheEventSubscriber | None = None
+        if config.cache_events.enabled:
+            self.cache_events = CacheEventSubscriber(
+                config.cache_events,
+                check_cache_events(config),
+                lambda: self.router.endpoints,
+                self.router.observe_cache_events,
+            )
+        self._cache_events_exported: dict[tuple[str, str], int] = {}
         # A worker hands its placements to the supervisor, whose admin port serves them.
         self._placement_sink = placement_sink if sharing else None
         self._placements_forwarded = 0
@@ -220,6 +245,8 @@ class RouterService:
             self.scraper.start()
         if self.config.peers.enabled:
             self.peers.start()
+        if self.cache_events is not None:
+            self.cache_events.start()
         if self.config.discovery.kind != "static":
             source = source_from_config(self.config.discovery, self.config.endpoints)
             self._discovery = asyncio.create_task(source.run(self._on_endpoints), name="discovery")
@@ -238,7 +265,18 @@ class RouterService:
         while True:
             self.metrics.refresh(self.router)
             self._forward_placements()
+            self._export_cache_event_counts()
             await asyncio.sleep(1.0)
+
+    def _export_cache_event_counts(self) -> None:
+        if self.cache_events is None:
+            return
+        for key, count in self.cache_events.counts.items():
+            if count > self._cache_events_exported.get(key, 0):
+                self.metrics.cache_events.labels(*key).inc(
+                    count - self._cache_events_exported.get(key, 0)
+                )
+                self._cache_events_exported[key] = count
 
     async def _set_serving(self, ready: bool) -> None:
         ready = ready and not self._stopping  # discovery must not undo a drain
@@ -267,6 +305,8 @@ class RouterService:
         await self.checker.stop()
         await self.scraper.stop()
         await self.peers.stop()
+        if self.cache_events is not None:
+            await self.cache_events.stop()
         for task in (self._refresher, self._discovery):
             if task is not None:
                 task.cancel()
@@ -499,6 +539,12 @@ def run(args: argparse.Namespace) -> int:
             CertificateReloader(config.tls)
         except TLSFilesError as exc:
             print(f"prefix-router: invalid TLS files\n{exc}", file=sys.stderr)
+            return 2
+    if config.cache_events.enabled:
+        try:  # fail fast too: a tokeniser or chat template the translation cannot use
+            check_cache_events(config)
+        except ConfigError as exc:
+            print(f"prefix-router: invalid configuration\n{exc}", file=sys.stderr)
             return 2
     if config.server.workers > 1:
         return run_workers(config, args.log_level)

@@ -1,6 +1,12 @@
 """Block hashes: stable, prefix-identifying, seeded by model and salt, capped."""
 
-from extproc.hashing import block_hashes, group_key, placement_key, root_hash
+from extproc.hashing import (
+    block_hashes,
+    block_hashes_after,
+    group_key,
+    placement_key,
+    root_hash,
+)
 from extproc.prompt import LLMRequest
 
 
@@ -109,3 +115,16 @@ def test_placement_key_by_blocks_and_for_short_prompts():
     assert key == block_hashes(p, root, 64, 100)[3]
     short = placement_key(_request(b"hi", 2), [], root, 64, "first_turn", 4)
     assert short != placement_key(_request(b"ho", 2), [], root, 64, "first_turn", 4)
+
+
+def test_hashes_after_a_block_continue_the_chain_exactly() -> None:
+    prompt = bytes(range(256)) * 20
+    root = root_hash("m")
+    whole = block_hashes(prompt, root, 64, 70)
+    for start in (0, 1, 33, 69):
+        previous = int(whole[start - 1]) if start else root
+        assert (
+            block_hashes_after(prompt, previous, start, 64, 70).tolist() == whole[start:].tolist()
+        )
+    assert len(block_hashes_after(prompt, root, 70, 64, 70)) == 0  # the window is full
+    assert block_hashes_after(prompt, 12345, 5, 64, 70).tolist() != whole[5:].tolist()

@@ -1,0 +1,168 @@
+"""`prefix-router bench events`: what translating vLLM's KV-cache events costs the router.
+
+The translation (cache_events.py) runs off the hot path, on the router's event loop
+between decisions, so its cost is CPU the decisions share, not time a request waits. Per
+prompt size: one request's prompt stored in one event (vLLM announces a prefill's blocks
+together), each block its reply then fills (one event per block: each re-reads the whole
+chain), and the chain evicted. The tokeniser is synthetic byte-level BPE with whole words
+as tokens (~6 bytes a token, real ones ~4) and the fixture model's chat template.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import re
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+from .cache_events import (
+    ChatLayout,
+    EndpointCacheEvents,
+    TokenBytes,
+    Translation,
+    _bytes_to_unicode,
+    _environment,
+)
+from .config import RoutingConfig
+from .model_fixture import BOS, CHAT_TEMPLATE, SPECIAL_TOKENS
+
+WORDS = [f"w{i:03d}x" for i in range(2000)]
+REPLY_BLOCKS = 32
+
+
+class _Vocabulary:
+    """Special tokens, the 256 bytes, and ' word' for each word: enough to encode the
+    rendered template of prompts made of WORDS."""
+
+    def __init__(self) -> None:
+        byte_char = _bytes_to_unicode()
+        self.tokens = list(SPECIAL_TOKENS) + [byte_char[b] for b in range(256)]
+        self.tokens += [byte_char[32] + w for w in WORDS]
+        self.ids = {t: i for i, t in enumerate(self.tokens)}
+        self._byte_char = byte_char
+        self._pattern = re.compile(
+            "|".join(re.escape(t) for t in SPECIAL_TOKENS) + r"| w\d+x|.", re.DOTALL
+        )
+
+    def encode(self, text: str) -> list[int]:
+        ids = []
+        for piece in self._pattern.findall(text):
+            key = self._byte_char[32] + piece[1:] if piece.startswith(" w") else piece
+            if key in self.ids:
+                ids.append(self.ids[key])
+            else:
+                ids += [self.ids[self._byte_char[b]] for b in piece.encode()]
+        return ids
+
+    def table(self) -> TokenBytes:
+        to_byte = {c: b for b, c in self._byte_char.items()}
+        return TokenBytes(
+            [
+                t.encode() if t in SPECIAL_TOKENS else bytes(to_byte[c] for c in t)
+                for t in self.tokens
+            ]
+        )
+
+
+def _events(ids: list[int], first: int, last: int, block: int) -> list[dict[str, Any]]:
+    return [
+        {
+            "type": "BlockStored",
+            "block_hashes": list(range(first + 1, last + 1)),
+            "parent_block_hash": first or None,
+            "token_ids": ids[first * block : last * block],
+            "block_size": block,
+            "medium": "GPU",
+        }
+    ]
+
+
+def measure(
+    size_kib: int, vocabulary: _Vocabulary, translation: Translation, block: int, repeats: int
+) -> dict[str, float]:
+    rng = random.Random(size_kib)
+    words = max(1, size_kib * 1024 // 6)
+    content = "".join(" " + rng.choice(WORDS) for _ in range(words))
+    messages = [{"role": "system", "content": "You help."}, {"role": "user", "content": content}]
+    rendered = (
+        _environment()
+        .from_string(CHAT_TEMPLATE)
+        .render(messages=messages, add_generation_prompt=True, bos_token=BOS)
+    )
+    reply = "".join(" " + rng.choice(WORDS) for _ in range(REPLY_BLOCKS * block))
+    ids = vocabulary.encode(rendered + reply)
+    prompt_blocks = len(vocabulary.encode(rendered)) // block
+    stored, reply_each, removed, hashes = [], [], [], 0
+    for _ in range(repeats):
+        table = EndpointCacheEvents(translation)
+        started = time.perf_counter()
+        changes = table.apply(_events(ids, 0, prompt_blocks, block))
+        stored.append(time.perf_counter() - started)
+        started = time.perf_counter()
+        for k in range(prompt_blocks, prompt_blocks + REPLY_BLOCKS):
+            changes += table.apply(_events(ids, k, k + 1, block))
+        reply_each.append((time.perf_counter() - started) / REPLY_BLOCKS)
+        hashes = sum(len(h) for _, h in changes)
+        started = time.perf_counter()
+        table.apply(
+            [
+                {
+                    "type": "BlockRemoved",
+                    "block_hashes": list(range(1, prompt_blocks + REPLY_BLOCKS + 1)),
+                }
+            ]
+        )
+        removed.append(time.perf_counter() - started)
+    return {
+        "prompt_kib": size_kib,
+        "prompt_tokens": prompt_blocks * block,
+        "vllm_blocks": prompt_blocks,
+        "router_blocks": hashes,
+        "prompt_event_ms": statistics.median(stored) * 1000,
+        "reply_block_event_ms": statistics.median(reply_each) * 1000,
+        "eviction_ms": statistics.median(removed) * 1000,
+    }
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--sizes", default="8,32,128,512", help="prompt sizes in KiB")
+    parser.add_argument("--vllm-block", type=int, default=16, help="vLLM block size (tokens)")
+    parser.add_argument("--repeats", type=int, default=5, help="runs per size (median)")
+    parser.add_argument("--json", dest="json_out", help="write the results here")
+
+
+def run(args: argparse.Namespace) -> int:
+    vocabulary = _Vocabulary()
+    routing = RoutingConfig()
+    layout = ChatLayout.from_template(CHAT_TEMPLATE, bos_token=BOS)
+    translation = Translation(
+        vocabulary.table(), layout, "bench", routing.block_size_bytes, routing.max_blocks
+    )
+    rows = [
+        measure(int(size), vocabulary, translation, args.vllm_block, args.repeats)
+        for size in args.sizes.split(",")
+    ]
+    print(
+        f"KV-cache event translation (vLLM block {args.vllm_block} tokens, router block "
+        f"{routing.block_size_bytes} B, window {routing.max_blocks} blocks; median of "
+        f"{args.repeats})"
+    )
+    print(
+        "| prompt KiB | tokens | vLLM blocks | router blocks | prompt event ms | each reply block's event ms | eviction ms |"
+    )
+    print("|---:|---:|---:|---:|---:|---:|---:|")
+    for row in rows:
+        print(
+            f"| {row['prompt_kib']} | {row['prompt_tokens']:,} | {row['vllm_blocks']:,} | "
+            f"{row['router_blocks']:,} | {row['prompt_event_ms']:.2f} | "
+            f"{row['reply_block_event_ms']:.2f} | {row['eviction_ms']:.2f} |"
+        )
+    if args.json_out:
+        Path(args.json_out).write_text(
+            json.dumps({"rows": rows, "args": vars(args)}, indent=2, default=str)
+        )
+    return 0

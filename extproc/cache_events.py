@@ -1,0 +1,461 @@
+"""vLLM's KV-cache events as block hashes of this router's, with no tokeniser on the hot path.
+
+vLLM announces every block it computes (``BlockStored``: a chain of its block hashes with
+their token ids, after the chat template) and every block it evicts (``BlockRemoved``).
+The router hashes a request's canonical bytes (prompt.py), and tokenising each prompt as
+the model server does to meet vLLM's hashes would not fit the hot path: a byte-level BPE
+encode of 32 KiB took ~12 ms here (docs/benchmarks.md), against a budget under 1 ms. So the
+translation runs the other way, off the hot path: a stored chain's token ids decode to the
+exact text the server rendered (byte-level BPE decodes byte for byte), the chat template's
+layout, learnt at start-up by rendering probe conversations, splits that text back into
+messages, and their canonical bytes hash as a request carrying those messages would.
+vLLM's own hashes serve only as ids, for parent links and removals.
+
+What does not translate is only not learnt (no harm to routing): tokenisers that are not
+byte-level BPE (rejected at start-up), templates whose messages cannot be told apart
+(rejected), content the template changes (trimmed whitespace, joined parts), tools, salted
+or multimodal prompts (their blocks carry extra keys), token-id prompts.
+"""
+
+from __future__ import annotations
+
+import datetime
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import orjson
+
+from .hashing import EMPTY, block_hashes, block_hashes_after, root_hash
+from .prompt import canonical_conversation
+
+ROLES = ("system", "user", "assistant")
+TIP_BYTES = 32 * 1024 * 1024  # per endpoint: the text of the chains being extended
+_SENTINEL = "Zq7Xv{}Qw9Jk"  # probe content: survives templates, never in a real prompt
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's byte <-> printable character map, which byte-level BPE vocabularies use."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1)]
+    printable += range(ord("®"), ord("ÿ") + 1)
+    chars = list(printable)
+    extra = 0
+    for byte in range(256):
+        if byte not in printable:
+            printable.append(byte)
+            chars.append(256 + extra)
+            extra += 1
+    return {b: chr(c) for b, c in zip(printable, chars, strict=True)}
+
+
+class TokenBytes:
+    """Each token id's bytes, from a Hugging Face ``tokenizer.json`` (byte-level BPE only)."""
+
+    def __init__(self, table: list[bytes]) -> None:
+        self._table = table
+
+    @classmethod
+    def from_file(cls, path: str | Path) -> TokenBytes:
+        spec = orjson.loads(Path(path).read_bytes())
+        decoder = (spec.get("decoder") or {}).get("type")
+        if decoder != "ByteLevel":
+            raise ValueError(
+                f"cache_events.tokenizer {path}: decoder {decoder!r}; only byte-level BPE "
+                "tokenisers decode byte for byte (the text vLLM hashed)"
+            )
+        if spec.get("normalizer"):
+            raise ValueError(f"cache_events.tokenizer {path}: a normalizer changes the text")
+        to_byte = {c: b for b, c in _bytes_to_unicode().items()}
+        vocab: dict[str, int] = spec["model"]["vocab"]
+        table: dict[int, bytes] = {}
+        for token, token_id in vocab.items():
+            try:
+                table[token_id] = bytes(to_byte[c] for c in token)
+            except KeyError:
+                table[token_id] = token.encode()
+        for added in spec.get("added_tokens", []):
+            table[added["id"]] = added["content"].encode()
+        size = max(table) + 1
+        return cls([table.get(i, b"") for i in range(size)])
+
+    def decode(self, token_ids: list[int]) -> bytes:
+        table = self._table
+        return b"".join(table[t] if 0 <= t < len(table) else b"" for t in token_ids)
+
+
+def _environment() -> Any:
+    """Jinja as transformers and vLLM render chat templates (sandboxed, trimmed blocks)."""
+    from jinja2.ext import loopcontrols
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def raise_exception(message: str) -> None:
+        raise ValueError(message)
+
+    def strftime_now(fmt: str) -> str:
+        return datetime.datetime.now().strftime(fmt)
+
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols]
+    )
+    env.globals.update(raise_exception=raise_exception, strftime_now=strftime_now)
+    return env
+
+
+@dataclass
+class ChatLayout:
+    """Where a chat template puts each message: what comes before a conversation's first
+    message of each role (``starts``), between a message of one role and the next of
+    another (``separators``, the generation prompt included), and after a last message
+    (``ends``). Learnt from the template's own renderings of probe conversations."""
+
+    starts: dict[str, bytes]
+    separators: dict[str, list[tuple[bytes, str]]]
+    ends: dict[str, bytes]
+
+    @classmethod
+    def from_template(cls, template: str, bos_token: str = "", eos_token: str = "") -> ChatLayout:
+        from jinja2 import TemplateError
+
+        try:
+            compiled = _environment().from_string(template)
+        except TemplateError as exc:
+            raise ValueError(f"cache_events.chat_template does not compile: {exc}") from None
+
+        def render(messages: list[tuple[str, str]], generate: bool = False) -> str | None:
+            try:
+                return compiled.render(
+                    messages=[{"role": r, "content": c} for r, c in messages],
+                    add_generation_prompt=generate,
+                    bos_token=bos_token,
+                    eos_token=eos_token,
+                    tools=None,
+                )
+            except Exception:  # a template may refuse an order of roles: that pair is unknown
+                return None
+
+        first, second = _SENTINEL.format(0), _SENTINEL.format(1)
+        starts: dict[str, bytes] = {}
+        ends: dict[str, bytes] = {}
+        separators: dict[str, list[tuple[bytes, str]]] = {r: [] for r in ROLES}
+        for role in ROLES:
+            text = render([(role, first)])
+            if text is None or text.count(first) != 1:
+                continue
+            before, after = text.split(first)
+            starts[role], ends[role] = before.encode(), after.encode()
+            prompted = render([(role, first)], generate=True)
+            if prompted is not None and prompted.startswith(text) and len(prompted) > len(text):
+                separators[role].append((prompted.split(first)[1].encode(), "assistant"))
+        for role in starts:
+            for following in ROLES:
+                text = render([(role, first), (following, second)])
+                if text is None or text.count(first) != 1 or text.count(second) != 1:
+                    continue
+                between = text.split(first)[1].split(second)[0].encode()
+                if (between, following) not in separators[role]:
+                    separators[role].append((between, following))
+        for role in separators:  # the longest first: one separator may begin another
+            separators[role].sort(key=lambda item: -len(item[0]))
+        layout = cls(starts, separators, ends)
+        layout._check(render)
+        return layout
+
+    def _check(self, render: Any) -> None:
+        probe = [
+            ("system", "You are terse."),
+            ("user", "What is a KV cache?"),
+            ("assistant", "Reused attention state."),
+            ("user", "And a prefix?"),
+        ]
+        if "system" not in self.starts:
+            probe = probe[1:]
+        text = render(probe, generate=True)
+        expected = [(r, c.encode()) for r, c in probe] + [("assistant", b"A reply")]
+        spans = None if text is None else self.split(text.encode() + b"A reply")
+        got = (
+            None if spans is None else [(r, (text.encode() + b"A reply")[a:b]) for r, a, b in spans]
+        )
+        if got != expected:
+            raise ValueError(
+                "cache_events.chat_template: its messages cannot be told apart in its output "
+                f"(a probe conversation split as {got!r})"
+            )
+
+    def split(self, text: bytes) -> list[tuple[str, int, int]] | None:
+        """The messages of a rendered conversation, or of its start (a cached chain stops
+        anywhere): (role, content start, content end) offsets in ``text``; None when the
+        text is not a chat this template rendered. Trailing bytes that may begin the
+        template's markup after a message are left out of it."""
+        role = next((r for r, s in self.starts.items() if text.startswith(s)), None)
+        if role is None:
+            return None
+        at = len(self.starts[role])
+        messages: list[tuple[str, int, int]] = []
+        while True:
+            found, found_length, found_role = -1, 0, ""
+            for separator, following in self.separators[role]:
+                where = text.find(separator, at)
+                if where >= 0 and (found < 0 or where < found):
+                    found, found_length, found_role = where, len(separator), following
+            if found < 0:
+                break
+            messages.append((role, at, found))
+            at, role = found + found_length, found_role
+        tail = text[at:]
+        markup = [s for s, _ in self.separators[role]] + [self.ends.get(role, b"")]
+        cut = max(
+            (
+                k
+                for m in markup
+                for k in range(1, min(len(m), len(tail)) + 1)
+                if m.startswith(tail[len(tail) - k :])
+            ),
+            default=0,
+        )
+        messages.append((role, at, len(text) - cut))
+        return messages
+
+    def canonical(self, text: bytes) -> tuple[bytes, list[tuple[int, int, int]]] | None:
+        """The canonical bytes of a rendered chat's start, and where each message's content
+        lies in both: (text start, canonical start, length), to place a text offset in the
+        canonical bytes (content maps byte for byte, markup to the content before it)."""
+        spans = self.split(text)
+        if spans is None:
+            return None
+        messages = [(role, text[start:end]) for role, start, end in spans]
+        canonical = canonical_conversation(messages, last_complete=False)
+        segments: list[tuple[int, int, int]] = []
+        at = 0
+        for role, start, end in spans:
+            head = 2 + len(role.encode())  # \x01 role \x02
+            segments.append((start, at + head, end - start))
+            at += head + (end - start) + 1  # content, \x03 (escaping aside: rare)
+        return canonical, segments
+
+
+def canonical_offset(segments: list[tuple[int, int, int]], text_offset: int) -> int:
+    """How many canonical bytes the text before ``text_offset`` gives (ChatLayout.canonical)."""
+    offset = 0
+    for text_start, canonical_start, length in segments:
+        if text_offset <= text_start:
+            break
+        offset = canonical_start + min(text_offset - text_start, length)
+    return offset
+
+
+@dataclass
+class _Block:
+    parent: int | None
+    text: bytes
+    router_end: int  # router blocks held once this block is: the chain's first router_end hashes
+    hashes: np.ndarray = field(default_factory=lambda: EMPTY)  # the ones it added
+
+
+@dataclass(frozen=True)
+class Translation:
+    """What translating needs, loaded once and shared by every endpoint's table."""
+
+    tokens: TokenBytes
+    layout: ChatLayout
+    model: str  # the name clients send: it roots the router's hashes
+    block_size: int  # the router's block size in bytes (routing.block_size_bytes)
+    max_blocks: int  # its hash window (routing.max_blocks)
+
+
+class EndpointCacheEvents:
+    """One endpoint's announced blocks, and their translation into this router's hashes."""
+
+    def __init__(self, translation: Translation, tip_bytes: int = TIP_BYTES) -> None:
+        self.tokens, self.layout = translation.tokens, translation.layout
+        self.model = translation.model
+        self.block_size, self.max_blocks = translation.block_size, translation.max_blocks
+        self._blocks: dict[int, _Block] = {}
+        # The whole text of chains that may grow next (a reply being generated adds a block
+        # at a time), with the router hash of their last whole block: a new block then
+        # costs itself, not a walk up its chain and a hash of all of it (bench events).
+        self._tips: OrderedDict[int, tuple[bytes, int]] = OrderedDict()
+        self._tip_bytes, self._tips_held = tip_bytes, 0
+        self.untranslated = 0  # stored blocks that gave no hashes of this router's
+
+    def __len__(self) -> int:
+        return len(self._blocks)
+
+    def stored(
+        self,
+        block_hashes_: list[int],
+        parent: int | None,
+        token_ids: list[int],
+        block_size: int,
+        lora_name: str | None = None,
+        extra_keys: list[Any] | None = None,
+    ) -> np.ndarray:
+        """A chain the endpoint computed: the router hashes it newly holds, in order."""
+        if not block_hashes_:
+            return EMPTY
+        above = self._blocks.get(parent) if parent is not None else None
+        if parent is not None and above is None:  # a parent this subscriber never saw
+            return self._untranslated(block_hashes_)
+        if parent is None and extra_keys and any(k is not None for k in extra_keys):
+            return self._untranslated(block_hashes_)  # salted or multimodal
+        texts = [
+            self.tokens.decode(token_ids[i * block_size : (i + 1) * block_size])
+            for i in range(len(block_hashes_))
+        ]
+        start_end = above.router_end if above is not None else 0
+        if start_end >= self.max_blocks:  # past the hash window: nothing new to learn
+            return self._remember(
+                block_hashes_, parent, texts, [start_end] * len(texts), EMPTY, start_end
+            )
+        root = root_hash(lora_name or self.model)
+        tip = self._take_tip(parent)
+        if tip is not None:
+            prefix, previous = tip
+        else:
+            prefix, previous = self._chain_text(parent), root
+            if prefix is None:
+                return self._untranslated(block_hashes_)
+        text = prefix + b"".join(texts)
+        parsed = self.layout.canonical(text)
+        if parsed is None:
+            return self._untranslated(block_hashes_)
+        canonical, segments = parsed
+        if tip is not None:
+            hashes = block_hashes_after(
+                canonical, previous, start_end, self.block_size, self.max_blocks
+            )
+        else:
+            hashes = block_hashes(canonical, root, self.block_size, self.max_blocks)[start_end:]
+        ends = []
+        offset = len(prefix)
+        for piece in texts:
+            offset += len(piece)
+            held = canonical_offset(segments, offset) // self.block_size
+            ends.append(max(start_end, min(held, start_end + len(hashes))))
+        last = ends[-1] - start_end
+        self._keep_tip(block_hashes_[-1], text, int(hashes[last - 1]) if last else previous)
+        return self._remember(block_hashes_, parent, texts, ends, hashes, start_end)
+
+    def _chain_text(self, block: int | None) -> bytes | None:
+        """The text of a chain up to ``block``, walked up its parents (None: one unknown)."""
+        pieces: list[bytes] = []
+        while block is not None:
+            known = self._blocks.get(block)
+            if known is None:
+                return None
+            pieces.append(known.text)
+            block = known.parent
+        return b"".join(reversed(pieces))
+
+    def _take_tip(self, block: int | None) -> tuple[bytes, int] | None:
+        tip = self._tips.pop(block, None) if block is not None else None
+        if tip is not None:
+            self._tips_held -= len(tip[0])
+        return tip
+
+    def _keep_tip(self, block: int, text: bytes, last_hash: int) -> None:
+        self._tips[block] = (text, last_hash)
+        self._tips_held += len(text)
+        while self._tips_held > self._tip_bytes and self._tips:
+            _, (dropped, _) = self._tips.popitem(last=False)
+            self._tips_held -= len(dropped)
+
+    def _remember(
+        self,
+        block_hashes_: list[int],
+        parent: int | None,
+        texts: list[bytes],
+        ends: list[int],
+        hashes: np.ndarray,
+        start_end: int,
+    ) -> np.ndarray:
+        """Enter the blocks; ``hashes[k]`` is router block ``start_end + k``."""
+        previous = start_end
+        for vllm_hash, piece, end in zip(block_hashes_, texts, ends, strict=True):
+            added = hashes[previous - start_end : end - start_end].copy()
+            self._blocks[vllm_hash] = _Block(parent, piece, end, added)
+            parent, previous = vllm_hash, max(previous, end)
+        return hashes[: previous - start_end].copy()
+
+    def _untranslated(self, block_hashes_: list[int]) -> np.ndarray:
+        self.untranslated += len(block_hashes_)
+        return EMPTY
+
+    def removed(self, block_hashes_: list[int]) -> np.ndarray:
+        """Blocks the endpoint evicted: the router hashes they had added."""
+        for block in block_hashes_:
+            self._take_tip(block)
+        chunks = [b.hashes for h in block_hashes_ if (b := self._blocks.pop(h, None)) is not None]
+        chunks = [c for c in chunks if len(c)]
+        return np.concatenate(chunks) if chunks else EMPTY
+
+    def cleared(self) -> None:
+        self._blocks.clear()
+        self._tips.clear()
+        self._tips_held = 0
+
+    def apply(self, events: list[Any]) -> list[tuple[bool | None, np.ndarray]]:
+        """One message's events, in order, as ``Router.observe_cache_events`` takes them:
+        (True, router hashes stored), (False, router hashes removed), and (None, EMPTY)
+        where the endpoint cleared its whole cache (the router then forgets it; vLLM sends
+        that in the same message as what it stored next). Events of other kinds or
+        shapes, and blocks kept in another medium (CPU offload), are skipped."""
+        out: list[tuple[bool | None, np.ndarray]] = []
+        for event in events:
+            if not isinstance(event, dict) or event.get("medium") not in (None, "GPU"):
+                continue
+            kind = event.get("type")
+            if kind == "BlockStored":
+                hashes = self.stored(
+                    event.get("block_hashes") or [],
+                    event.get("parent_block_hash"),
+                    event.get("token_ids") or [],
+                    int(event.get("block_size") or 0) or 1,
+                    event.get("lora_name"),
+                    event.get("extra_keys"),
+                )
+                if len(hashes):
+                    out.append((True, hashes))
+            elif kind == "BlockRemoved":
+                hashes = self.removed(event.get("block_hashes") or [])
+                if len(hashes):
+                    out.append((False, hashes))
+            elif kind == "AllBlocksCleared":
+                self.cleared()
+                out.append((None, EMPTY))
+        return out
+
+
+def decode_message(frames: list[bytes]) -> tuple[int, list[Any]]:
+    """A vLLM KV-event message: frames [topic, 8-byte big-endian sequence, msgpack payload
+    ``[timestamp, events, data_parallel_rank]``] -> (sequence, events as maps)."""
+    import msgspec
+
+    if len(frames) != 3 or len(frames[1]) != 8:
+        raise ValueError(f"not a KV-event message: {len(frames)} frames")
+    payload = msgspec.msgpack.decode(frames[2])
+    if not isinstance(payload, list) or len(payload) < 2 or not isinstance(payload[1], list):
+        raise ValueError("KV-event payload is not [timestamp, events, ...]")
+    return int.from_bytes(frames[1], "big"), payload[1]
+
+
+def load_translation(path: str | Path, model: str, block_size: int, max_blocks: int) -> Translation:
+    """A translator for a Hugging Face model directory's ``tokenizer.json`` and the chat
+    template in ``tokenizer_config.json`` (or ``chat_template.jinja`` beside it)."""
+    directory = Path(path)
+    config = orjson.loads((directory / "tokenizer_config.json").read_bytes())
+    template = config.get("chat_template")
+    if not isinstance(template, str) and (directory / "chat_template.jinja").exists():
+        template = (directory / "chat_template.jinja").read_text()
+    if not isinstance(template, str):
+        raise ValueError(f"cache_events: no chat template in {directory}")
+
+    def token_text(value: Any) -> str:
+        return value.get("content", "") if isinstance(value, dict) else str(value or "")
+
+    layout = ChatLayout.from_template(
+        template, token_text(config.get("bos_token")), token_text(config.get("eos_token"))
+    )
+    tokens = TokenBytes.from_file(directory / "tokenizer.json")
+    return Translation(tokens, layout, model, block_size, max_blocks)

@@ -1,0 +1,173 @@
+"""Subscribe to every endpoint's KV-cache event publisher and feed the router's index.
+
+One ZMQ SUB socket per endpoint (vLLM publishes on a PUB socket it binds), read on the
+event loop (zmq.asyncio) and reconciled with the endpoint set every second, as discovery
+adds and removes endpoints. A message's events are translated (cache_events.py) and handed
+to the router at once; a malformed message is counted and skipped. A gap in the sequence
+numbers (messages a slow subscriber lost, or all those before a late start) is asked for on
+the endpoint's replay socket when one is configured (vLLM keeps its last 10,000 messages),
+else counted: what it missed, the index then learns only from the router's own records and
+the endpoint's later events.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections import Counter
+from collections.abc import Callable, Sequence
+
+import numpy as np
+import zmq
+import zmq.asyncio
+
+from .cache_events import EMPTY, EndpointCacheEvents, Translation, decode_message
+from .config import CacheEventsConfig, parse_host_port
+
+log = logging.getLogger("extproc.cache_events")
+
+Changes = Sequence[tuple[bool | None, np.ndarray]]
+RECONCILE_SECONDS = 1.0
+REPLAY_TIMEOUT_SECONDS = 2.0
+END_OF_REPLAY = (-1).to_bytes(8, "big", signed=True)  # vLLM's end-of-replay sequence
+
+
+def _sequence(frames: list[bytes]) -> int | None:
+    return int.from_bytes(frames[1], "big") if len(frames) == 3 and len(frames[1]) == 8 else None
+
+
+def publisher_address(template: str, endpoint: str) -> str:
+    """The publisher of one endpoint: ``cache_events.publisher`` with its host and port."""
+    host, port = parse_host_port(endpoint)
+    return template.format(host=f"[{host}]" if ":" in host else host, port=port)
+
+
+class CacheEventSubscriber:
+    def __init__(
+        self,
+        config: CacheEventsConfig,
+        translation: Translation,
+        addresses: Callable[[], list[str]],
+        on_changes: Callable[[str, Changes], bool],
+    ) -> None:
+        """``on_changes(endpoint, changes)`` applies them; False: the router ignored them."""
+        self.config = config
+        self.translation = translation
+        self._addresses = addresses
+        self._on_changes = on_changes
+        self._context = zmq.asyncio.Context()
+        self._tasks: dict[str, asyncio.Task[None]] = {}
+        self._task: asyncio.Task[None] | None = None
+        self.counts: Counter[tuple[str, str]] = Counter()  # (endpoint, kind)
+        self.tables: dict[str, EndpointCacheEvents] = {}
+
+    def start(self) -> None:
+        if self._task is None:
+            self._task = asyncio.create_task(self._reconcile(), name="cache-events")
+
+    async def stop(self) -> None:
+        tasks = [t for t in (self._task, *self._tasks.values()) if t is not None]
+        for task in tasks:
+            task.cancel()
+        for task in tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        self._task = None
+        self._tasks.clear()
+        self._context.destroy(linger=0)
+
+    async def _reconcile(self) -> None:
+        while True:
+            self.follow(self._addresses())
+            await asyncio.sleep(RECONCILE_SECONDS)
+
+    def follow(self, endpoints: list[str]) -> None:
+        """Subscribe to new endpoints, drop removed ones (their tables go with them)."""
+        for endpoint in set(self._tasks) - set(endpoints):
+            self._tasks.pop(endpoint).cancel()
+            self.tables.pop(endpoint, None)
+        for endpoint in endpoints:
+            if endpoint not in self._tasks:
+                self.tables[endpoint] = EndpointCacheEvents(self.translation)
+                self._tasks[endpoint] = asyncio.create_task(
+                    self._read(endpoint), name=f"cache-events {endpoint}"
+                )
+
+    def _socket(self, kind: int, address: str) -> zmq.asyncio.Socket:
+        socket = self._context.socket(kind)
+        if "[" in address:
+            socket.setsockopt(zmq.IPV6, 1)
+        return socket
+
+    async def _read(self, endpoint: str) -> None:
+        address = publisher_address(self.config.publisher, endpoint)
+        socket = self._socket(zmq.SUB, address)
+        try:
+            socket.setsockopt(zmq.SUBSCRIBE, self.config.topic.encode())
+            socket.setsockopt(zmq.RCVHWM, 100_000)
+            socket.connect(address)
+            log.info("reading %s's KV-cache events from %s", endpoint, address)
+            expected: int | None = None
+            while True:
+                frames = await socket.recv_multipart()
+                sequence = _sequence(frames)
+                if self.config.replay and sequence is not None and sequence > (expected or 0):
+                    # A late start or lost messages: what the endpoint still buffers, first.
+                    expected = await self._replay(endpoint, expected, sequence)
+                expected = self.handle(endpoint, frames, expected)
+        finally:
+            socket.close(linger=0)
+
+    async def _replay(self, endpoint: str, expected: int | None, stop: int) -> int | None:
+        """Ask the endpoint's replay socket for the messages from ``expected`` (from its
+        oldest, after a start) up to ``stop``, and apply them; returns the next expected."""
+        address = publisher_address(self.config.replay, endpoint)
+        dealer = self._socket(zmq.DEALER, address)
+        try:
+            dealer.connect(address)
+            await dealer.send_multipart([b"", (expected or 0).to_bytes(8, "big")])
+            while True:
+                reply = await asyncio.wait_for(dealer.recv_multipart(), REPLAY_TIMEOUT_SECONDS)
+                if len(reply) != 4 or reply[2] == END_OF_REPLAY:
+                    break
+                sequence = int.from_bytes(reply[2], "big")
+                if sequence < stop and (expected is None or sequence >= expected):
+                    expected = self.handle(endpoint, reply[1:], expected)
+                    self.counts[endpoint, "replayed_messages"] += 1
+        except TimeoutError:
+            self.counts[endpoint, "replay_timeouts"] += 1
+        finally:
+            dealer.close(linger=0)
+        return expected
+
+    def handle(self, endpoint: str, frames: list[bytes], expected: int | None) -> int | None:
+        """One message: translated and applied; returns the sequence number expected next."""
+        table = self.tables.get(endpoint)
+        if table is None:
+            return expected
+        try:
+            sequence, events = decode_message(frames)
+        except ValueError:
+            self.counts[endpoint, "malformed_messages"] += 1
+            return expected
+        if expected is not None and sequence > expected:
+            self.counts[endpoint, "missed_messages"] += sequence - expected
+        elif expected is not None and sequence < expected:
+            # The sequence starts over: the publisher restarted, and its cache with it.
+            self.counts[endpoint, "restarts"] += 1
+            table.cleared()
+            self._on_changes(endpoint, [(None, EMPTY)])
+        untranslated = table.untranslated
+        changes = table.apply(events)
+        self.counts[endpoint, "untranslated_blocks"] += table.untranslated - untranslated
+        if changes:
+            if self._on_changes(endpoint, changes):
+                for held, hashes in changes:
+                    kind = (
+                        "cleared" if held is None else "stored_blocks" if held else "removed_blocks"
+                    )
+                    self.counts[endpoint, kind] += 1 if held is None else len(hashes)
+            else:
+                self.counts[endpoint, "ignored_messages"] += 1
+        return sequence + 1

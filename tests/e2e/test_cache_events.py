@@ -1,0 +1,292 @@
+"""Real vLLM's KV-cache events, translated into the router's own block hashes.
+
+One vLLM CPU server publishes its events on an ipc:// socket (nothing listens on a port);
+the test subscribes as a router would, sends a conversation's first turn straight to vLLM
+(as another router replica would), and checks that the translated events are exactly the
+router hashes of the conversation's next turn, reply included, as far as vLLM computed it.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import orjson
+import pytest
+import zmq
+from prometheus_client.parser import text_string_to_metric_families
+
+from extproc import bench_live, cache_events, lab
+from extproc.config import RoutingConfig
+from extproc.hashing import block_hashes, root_hash
+from extproc.prompt import parse_request
+from extproc.stack import LOOPBACK, Stack
+
+pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.timeout(900)]
+
+
+@pytest.fixture(scope="module")
+def vllm_with_events(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, str, Path]]:
+    """(address, event socket, model directory) of one vLLM server publishing its events
+    (its replay socket beside it: ``_replay_socket``)."""
+    log_dir = tmp_path_factory.mktemp("vllm-events")
+    socket = f"ipc://{log_dir}/kv-events.ipc"
+    config = {
+        "enable_kv_cache_events": True,
+        "publisher": "zmq",
+        "endpoint": socket,
+        "replay_endpoint": f"ipc://{log_dir}/kv-replay.ipc",
+        "topic": "kv",
+    }
+    args = ["--kv-events-config", json.dumps(config)]
+    with lab.vllm_servers(1, log_dir, extra_args=args) as servers:
+        bench_live.warm_up([servers[0].address], lab.SERVED_MODEL_NAME)
+        yield servers[0].address, socket, lab.ensure_model(lab.ensure_vllm_env())
+
+
+def _replay_socket(socket: str) -> str:
+    return socket.replace("kv-events.ipc", "kv-replay.ipc")
+
+
+def _chat(address: str, messages: list[dict[str, str]]) -> str:
+    body = {
+        "model": lab.SERVED_MODEL_NAME,
+        "messages": messages,
+        "max_tokens": 96,
+        "temperature": 0,
+    }
+    request = urllib.request.Request(
+        f"http://{address}/v1/chat/completions",
+        json.dumps(body).encode(),
+        {"Content-Type": "application/json"},
+    )
+    with urllib.request.urlopen(request, timeout=120) as response:
+        return json.load(response)["choices"][0]["message"]["content"]
+
+
+def _post(address: str, path: str) -> None:
+    urllib.request.urlopen(
+        urllib.request.Request(f"http://{address}{path}", b"", method="POST"), timeout=30
+    )
+
+
+def _read_events(subscriber: zmq.Socket, quiet_seconds: float = 1.5) -> list[list[bytes]]:
+    """Every message until none came for ``quiet_seconds``."""
+    messages = []
+    while subscriber.poll(int(quiet_seconds * 1000)):
+        messages.append(subscriber.recv_multipart())
+    return messages
+
+
+def test_vllms_events_translate_to_the_next_turns_router_hashes(
+    vllm_with_events: tuple[str, str, Path],
+) -> None:
+    address, socket, model_dir = vllm_with_events
+    routing = RoutingConfig()
+    translation = cache_events.load_translation(
+        model_dir, lab.SERVED_MODEL_NAME, routing.block_size_bytes, routing.max_blocks
+    )
+    translator = cache_events.EndpointCacheEvents(translation)
+    context = zmq.Context.instance()
+    subscriber = context.socket(zmq.SUB)
+    subscriber.setsockopt(zmq.SUBSCRIBE, b"")
+    subscriber.connect(socket)
+    try:
+        time.sleep(0.5)  # a SUB socket misses what is published before it joins
+        _post(address, "/reset_prefix_cache")  # blocks cached before the subscriber joined
+        _read_events(subscriber)
+        messages = [
+            {"role": "system", "content": "You answer questions about caches, briefly. " * 12},
+            {"role": "user", "content": "Why does a prefix cache need whole blocks? é 中文 " * 6},
+        ]
+        reply = _chat(address, messages)
+        received = _read_events(subscriber)
+        sequences, stored, removed = [], [], []
+        for frames in received:
+            sequence, events = cache_events.decode_message(frames)
+            sequences.append(sequence)
+            for held, hashes in translator.apply(events):
+                if held is not None:
+                    (stored if held else removed).append(hashes)
+        assert sequences == sorted(sequences) and len(set(sequences)) == len(sequences)
+        announced = np.concatenate(stored) if stored else np.zeros(0, np.uint64)
+
+        next_turn = [
+            *messages,
+            {"role": "assistant", "content": reply},
+            {"role": "user", "content": "Go on."},
+        ]
+        body = json.dumps({"model": lab.SERVED_MODEL_NAME, "messages": next_turn}).encode()
+        request = parse_request("chat", body)
+        expected = block_hashes(
+            request.prompt,
+            root_hash(lab.SERVED_MODEL_NAME),
+            routing.block_size_bytes,
+            routing.max_blocks,
+        )
+        first_turn = parse_request(
+            "chat", json.dumps({"model": lab.SERVED_MODEL_NAME, "messages": messages}).encode()
+        )
+        prompt_blocks = len(first_turn.prompt) // routing.block_size_bytes
+        print(
+            f"{len(received)} event messages; {len(announced)} router blocks announced, "
+            f"the first turn's prompt has {prompt_blocks}, the next turn {len(expected)}; "
+            f"untranslated vLLM blocks {translator.untranslated}"
+        )
+        assert not removed and translator.untranslated == 0
+        # Exactly the next turn's hashes, in order, and past the first turn's prompt: the
+        # reply's blocks, computed by vLLM, are announced and meet the router's hashes too.
+        assert announced.tolist() == expected[: len(announced)].tolist()
+        assert len(announced) > prompt_blocks, (len(announced), prompt_blocks)
+
+        # vLLM publishes a cleared cache with the next blocks it stores, in one message.
+        _post(address, "/reset_prefix_cache")
+        _chat(address, [{"role": "user", "content": "Short question."}])
+        changes = [
+            change
+            for frames in _read_events(subscriber)
+            for change in translator.apply(cache_events.decode_message(frames)[1])
+        ]
+        assert changes and changes[0][0] is None, changes  # cleared, then what came after
+        assert all(held for held, _ in changes[1:]), changes
+        assert len(translator) < 10  # the first turn's blocks are gone from the table
+    finally:
+        subscriber.close(linger=0)
+
+
+def _cache_event_counts(admin_port: int) -> dict[str, float]:
+    text = urllib.request.urlopen(f"http://{LOOPBACK}:{admin_port}/metrics", timeout=10).read()
+    return {
+        sample.labels["kind"]: sample.value
+        for family in text_string_to_metric_families(text.decode())
+        for sample in family.samples
+        if sample.name == "prefix_router_cache_events_total"
+    }
+
+
+def test_a_router_learns_from_vllms_events_what_another_router_placed(
+    vllm_with_events: tuple[str, str, Path],
+) -> None:
+    """A real router behind a real Envoy reads vLLM's events: a conversation whose first
+    turn reached vLLM without it (as another router replica would send it) is matched on
+    its next turn, the reply's blocks included. Without the events the router has never
+    seen the conversation and matches nothing."""
+    address, socket, model_dir = vllm_with_events
+    messages = [
+        {"role": "system", "content": "You route requests to warm caches. " * 10},
+        {"role": "user", "content": "What does a router learn from events? " * 5},
+    ]
+    with Stack() as stack:
+        settings = {
+            "cache_events.publisher": socket,
+            "cache_events.model_dir": str(model_dir),
+            "cache_events.model": lab.SERVED_MODEL_NAME,
+        }
+        args = [item for key, value in settings.items() for item in ("--set", f"{key}={value}")]
+        router, _ = stack.start_router([address], extra_args=args, ready=True)
+        admin = stack.router_admin_ports["router"]
+        envoy, _ = stack.start_proxy("override-host", [address], router)
+        time.sleep(1.0)  # the subscriber joins within its first reconcile
+        # Chains cached before it joined extend parents it never saw (no replay yet).
+        _post(address, "/reset_prefix_cache")
+        reply = _chat(address, messages)  # straight to vLLM: not through this router
+        deadline = time.monotonic() + 60
+        while _cache_event_counts(admin).get("stored_blocks", 0) < 10:
+            assert time.monotonic() < deadline, _cache_event_counts(admin)
+            time.sleep(0.25)
+        next_turn = [
+            *messages,
+            {"role": "assistant", "content": reply},
+            {"role": "user", "content": "Go on."},
+        ]
+        _chat(f"{LOOPBACK}:{envoy}", next_turn)
+        routed: list[dict] = []
+        while not routed:  # recorded when the stream ends, just after the reply
+            assert time.monotonic() < deadline, "no routed decision"
+            time.sleep(0.1)
+            url = f"http://{LOOPBACK}:{admin}/debug/decisions?outcome=routed"
+            routed = orjson.loads(urllib.request.urlopen(url, timeout=10).read())["decisions"]
+        decision = routed[0]["decision"]
+        counts = _cache_event_counts(admin)
+        print(
+            f"next turn: {decision['matched_blocks']} of {decision['total_blocks']} blocks matched; {counts}"
+        )
+        first_turn_blocks = (
+            len(
+                parse_request(
+                    "chat", orjson.dumps({"model": lab.SERVED_MODEL_NAME, "messages": messages})
+                ).prompt
+            )
+            // RoutingConfig().block_size_bytes
+        )
+        assert decision["matched_blocks"] > first_turn_blocks, (decision, counts)
+        assert decision["endpoint"] == address
+
+
+def test_a_router_that_subscribes_late_replays_what_vllm_published_before(
+    vllm_with_events: tuple[str, str, Path],
+) -> None:
+    """A conversation's first turn is cached (and announced) before the router starts; its
+    second turn, sent straight to vLLM, extends that chain. The router asks vLLM's replay
+    socket for the earlier messages, so the second turn translates (its parent is known)
+    and the third turn, through Envoy, matches all of the second on that replica. Without
+    the replay the second turn's blocks extend a parent it never saw: none would translate."""
+    address, socket, model_dir = vllm_with_events
+    messages = [
+        {"role": "system", "content": "You explain replays of missed messages. " * 10},
+        {"role": "user", "content": "Which messages does a late subscriber miss? " * 4},
+    ]
+    _post(address, "/reset_prefix_cache")
+    first = _chat(address, messages)  # published with nobody listening
+    second_turn = [
+        *messages,
+        {"role": "assistant", "content": first},
+        {"role": "user", "content": "Why?"},
+    ]
+    with Stack() as stack:
+        settings = {
+            "cache_events.publisher": socket,
+            "cache_events.replay": _replay_socket(socket),
+            "cache_events.model_dir": str(model_dir),
+            "cache_events.model": lab.SERVED_MODEL_NAME,
+        }
+        args = [item for key, value in settings.items() for item in ("--set", f"{key}={value}")]
+        router, _ = stack.start_router([address], extra_args=args, ready=True)
+        admin = stack.router_admin_ports["router"]
+        envoy, _ = stack.start_proxy("override-host", [address], router)
+        time.sleep(1.0)  # the subscriber joins within its first reconcile
+        second = _chat(address, second_turn)  # straight to vLLM: extends the first chain
+        deadline = time.monotonic() + 60
+        while _cache_event_counts(admin).get("replayed_messages", 0) < 1:
+            assert time.monotonic() < deadline, _cache_event_counts(admin)
+            time.sleep(0.25)
+        third_turn = [
+            *second_turn,
+            {"role": "assistant", "content": second},
+            {"role": "user", "content": "Thanks."},
+        ]
+        _chat(f"{LOOPBACK}:{envoy}", third_turn)
+        routed: list[dict] = []
+        while not routed:
+            assert time.monotonic() < deadline, "no routed decision"
+            time.sleep(0.1)
+            url = f"http://{LOOPBACK}:{admin}/debug/decisions?outcome=routed"
+            routed = orjson.loads(urllib.request.urlopen(url, timeout=10).read())["decisions"]
+        decision, counts = routed[0]["decision"], _cache_event_counts(admin)
+        print(
+            f"third turn: {decision['matched_blocks']} of {decision['total_blocks']} blocks matched; {counts}"
+        )
+        second_blocks = (
+            len(
+                parse_request(
+                    "chat", orjson.dumps({"model": lab.SERVED_MODEL_NAME, "messages": second_turn})
+                ).prompt
+            )
+            // RoutingConfig().block_size_bytes
+        )
+        assert counts.get("untranslated_blocks", 0) == 0, counts
+        assert decision["matched_blocks"] >= second_blocks, (decision, counts)

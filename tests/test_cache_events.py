@@ -1,0 +1,442 @@
+"""KV-cache events translated into the router's hashes (extproc/cache_events.py), and the
+subscriber that feeds them to the router over a real ZMQ socket (extproc/cache_subscriber.py).
+
+The tokeniser here is byte-level BPE without merges (one token per byte, the special tokens
+whole): vLLM's real tokeniser, events and template are in tests/e2e/test_cache_events.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+
+import msgspec
+import numpy as np
+import orjson
+import pytest
+import zmq
+import zmq.asyncio
+
+from extproc import cache_events
+from extproc.cache_events import (
+    ChatLayout,
+    EndpointCacheEvents,
+    TokenBytes,
+    Translation,
+    _bytes_to_unicode,
+    _environment,
+    decode_message,
+)
+from extproc.cache_subscriber import CacheEventSubscriber, publisher_address
+from extproc.config import (
+    CacheEventsConfig,
+    ConfigError,
+    EndpointConfig,
+    RoutingConfig,
+    load_config,
+)
+from extproc.hashing import block_hashes, root_hash
+from extproc.model_fixture import BOS, CHAT_TEMPLATE, SPECIAL_TOKENS
+from extproc.prompt import parse_request
+from extproc.router import Router
+
+MODEL = "tiny"
+BLOCK = 64  # the router's block size in bytes
+VLLM_BLOCK = 16  # tokens per vLLM block
+BYTE_CHAR = _bytes_to_unicode()
+VOCAB = {token: i for i, token in enumerate(SPECIAL_TOKENS)}
+VOCAB.update({BYTE_CHAR[b]: len(SPECIAL_TOKENS) + b for b in range(256)})
+SYSTEM = "You are a careful assistant. " * 10
+QUESTION = "Explain é 中文 caches, and why blocks matter. " * 6
+REPLY = "Caches keep attention state for reuse. " * 6
+
+
+def _encode(text: str) -> list[int]:
+    """Byte-level tokens of ``text``, the special tokens whole (as vLLM's tokeniser does)."""
+    ids, at = [], 0
+    while at < len(text):
+        special = next((t for t in SPECIAL_TOKENS if text.startswith(t, at)), None)
+        if special:
+            ids.append(VOCAB[special])
+            at += len(special)
+        else:
+            ids += [VOCAB[BYTE_CHAR[b]] for b in text[at].encode()]
+            at += 1
+    return ids
+
+
+@pytest.fixture(scope="module")
+def tokenizer_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    spec = {
+        "decoder": {"type": "ByteLevel"},
+        "normalizer": None,
+        "model": {"type": "BPE", "vocab": VOCAB},
+        "added_tokens": [
+            {"id": i, "content": t, "special": True} for i, t in enumerate(SPECIAL_TOKENS)
+        ],
+    }
+    path = tmp_path_factory.mktemp("tokenizer") / "tokenizer.json"
+    path.write_bytes(orjson.dumps(spec))
+    return path
+
+
+@pytest.fixture(scope="module")
+def translation(tokenizer_file: Path) -> Translation:
+    layout = ChatLayout.from_template(CHAT_TEMPLATE, bos_token=BOS)
+    return Translation(TokenBytes.from_file(tokenizer_file), layout, MODEL, BLOCK, 4096)
+
+
+def _rendered(messages: list[dict[str, str]]) -> str:
+    template = _environment().from_string(CHAT_TEMPLATE)
+    return template.render(messages=messages, add_generation_prompt=True, bos_token=BOS)
+
+
+def _router_hashes(messages: list[dict[str, str]]) -> np.ndarray:
+    body = json.dumps({"model": MODEL, "messages": messages}).encode()
+    return block_hashes(parse_request("chat", body).prompt, root_hash(MODEL), BLOCK, 4096)
+
+
+def _first_turn() -> list[dict[str, str]]:
+    return [{"role": "system", "content": SYSTEM}, {"role": "user", "content": QUESTION}]
+
+
+def _events_of(token_ids: list[int], prompt_blocks: int) -> list[dict[str, object]]:
+    """vLLM's events for one request: the prompt's blocks in one BlockStored, then one per
+    block of the reply as decoding fills it (vLLM hash = block number + 1)."""
+    whole = len(token_ids) // VLLM_BLOCK
+
+    def stored(first: int, last: int) -> dict[str, object]:
+        return {
+            "type": "BlockStored",
+            "block_hashes": list(range(first + 1, last + 1)),
+            "parent_block_hash": first or None,
+            "token_ids": token_ids[first * VLLM_BLOCK : last * VLLM_BLOCK],
+            "block_size": VLLM_BLOCK,
+            "medium": "GPU",
+            "extra_keys": [None] * (last - first),
+        }
+
+    return [stored(0, prompt_blocks)] + [stored(k, k + 1) for k in range(prompt_blocks, whole)]
+
+
+def test_the_token_table_decodes_byte_for_byte(tokenizer_file: Path) -> None:
+    text = _rendered(_first_turn()) + REPLY
+    assert TokenBytes.from_file(tokenizer_file).decode(_encode(text)) == text.encode()
+
+
+def test_a_stored_chain_translates_to_the_next_turns_router_hashes(
+    translation: Translation,
+) -> None:
+    """The blocks vLLM computed for a first turn and its reply are, in the router's hashes,
+    the first hashes of the conversation's next turn (what the router will look up)."""
+    messages = _first_turn()
+    prompt = _encode(_rendered(messages))
+    token_ids = prompt + _encode(REPLY)
+    table = EndpointCacheEvents(translation)
+    announced = [
+        h
+        for _, hashes in table.apply(_events_of(token_ids, len(prompt) // VLLM_BLOCK))
+        for h in hashes
+    ]
+    next_turn = [
+        *messages,
+        {"role": "assistant", "content": REPLY},
+        {"role": "user", "content": "More."},
+    ]
+    expected = _router_hashes(next_turn)
+    prompt_only = _router_hashes(messages)
+    assert table.untranslated == 0
+    assert announced == expected[: len(announced)].tolist()
+    # Extending a remembered chain (its text and last hash kept) gives what walking it does.
+    walked = EndpointCacheEvents(translation, tip_bytes=0)
+    events = _events_of(token_ids, len(prompt) // VLLM_BLOCK)
+    assert [h for _, hashes in walked.apply(events) for h in hashes] == announced
+    assert len(prompt_only) < len(announced) <= len(expected)  # the reply's blocks count
+    # The chain's own prompt: the same hashes as the first turn's request, up to where the
+    # generation prompt (template markup, not in the router's bytes) begins.
+    assert announced[: len(prompt_only) - 1] == prompt_only[:-1].tolist()
+
+
+def test_removed_blocks_give_back_the_hashes_they_added(translation: Translation) -> None:
+    prompt = _encode(_rendered(_first_turn()))
+    token_ids = prompt + _encode(REPLY)
+    table = EndpointCacheEvents(translation)
+    announced = [
+        h
+        for _, hashes in table.apply(_events_of(token_ids, len(prompt) // VLLM_BLOCK))
+        for h in hashes
+    ]
+    blocks = len(token_ids) // VLLM_BLOCK
+    tail = table.apply([{"type": "BlockRemoved", "block_hashes": [blocks, blocks - 1]}])
+    rest = table.removed(list(range(1, blocks - 1)))
+    removed = [h for _, hashes in tail for h in hashes] + rest.tolist()
+    assert all(held is False for held, _ in tail)
+    assert sorted(removed) == sorted(announced) and len(removed) == len(announced)
+    assert len(table) == 0 and not len(table.removed([1]))  # unknown blocks: nothing
+
+
+def test_what_cannot_be_translated_gives_nothing(translation: Translation) -> None:
+    prompt = _encode(_rendered(_first_turn()))
+    table = EndpointCacheEvents(translation)
+    first = _events_of(prompt, len(prompt) // VLLM_BLOCK)[0]
+    salted = {**first, "extra_keys": ["salt"] + [None] * 5}
+    orphan = {**first, "parent_block_hash": 999, "block_hashes": [1000]}
+    completion = {**first, "token_ids": _encode("Once upon a time " * 40)}
+    offloaded = {**first, "medium": "CPU"}
+    assert table.apply([salted, orphan, completion, offloaded, {"type": "Unknown"}, "junk"]) == []
+    assert len(table) == 0
+    assert table.apply([first]) and len(table) == len(first["block_hashes"])  # type: ignore[arg-type]
+
+
+def test_a_cleared_cache_comes_in_order_with_what_was_stored_after_it(
+    translation: Translation,
+) -> None:
+    prompt = _encode(_rendered(_first_turn()))
+    events = _events_of(prompt, len(prompt) // VLLM_BLOCK)
+    table = EndpointCacheEvents(translation)
+    table.apply(events)
+    changes = table.apply([{"type": "AllBlocksCleared"}, *events])
+    assert changes[0][0] is None and [held for held, _ in changes[1:]] == [True]
+    assert len(table) == len(events[0]["block_hashes"])  # type: ignore[arg-type]
+
+
+def test_a_partial_tail_leaves_out_what_may_be_markup() -> None:
+    layout = ChatLayout.from_template(CHAT_TEMPLATE, bos_token=BOS)
+    text = _rendered([{"role": "user", "content": "Hi there"}]).encode() + b"Hello<|eo"
+    spans = layout.split(text)
+    assert spans is not None
+    assert [(role, text[a:b]) for role, a, b in spans] == [
+        ("user", b"Hi there"),
+        ("assistant", b"Hello"),
+    ]
+    assert layout.split(b"no template here") is None
+
+
+def test_templates_and_tokenisers_it_cannot_invert_are_refused(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="cannot be told apart"):
+        ChatLayout.from_template("{% for m in messages %}{{ m['content'] }}\n{% endfor %}")
+    with pytest.raises(ValueError, match="does not compile"):
+        ChatLayout.from_template("{% for m in messages %}")
+    sentencepiece = tmp_path / "tokenizer.json"
+    sentencepiece.write_bytes(
+        orjson.dumps({"decoder": {"type": "Metaspace"}, "model": {"vocab": {}}})
+    )
+    with pytest.raises(ValueError, match="only byte-level"):
+        TokenBytes.from_file(sentencepiece)
+
+
+def test_malformed_messages_are_refused() -> None:
+    payload = msgspec.msgpack.encode([1.0, [{"type": "AllBlocksCleared"}], 0])
+    assert decode_message([b"kv", (7).to_bytes(8, "big"), payload]) == (
+        7,
+        [{"type": "AllBlocksCleared"}],
+    )
+    for frames in ([b"kv"], [b"kv", b"\x00", payload], [b"kv", (1).to_bytes(8, "big"), b"\xc1"]):
+        with pytest.raises(ValueError):
+            decode_message(frames)
+    with pytest.raises(ValueError):
+        decode_message([b"kv", (1).to_bytes(8, "big"), msgspec.msgpack.encode({"a": 1})])
+
+
+def test_config_names_what_is_missing(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=r"cache_events: .*model_dir and model"):
+        load_config(None, {"cache_events.publisher": "tcp://{host}:5557"}, environ={})
+    with pytest.raises(ConfigError, match=r"cache_events\.publisher"):
+        load_config(None, {"cache_events.publisher": "tcp://{address}:1"}, environ={})
+    from extproc.serve import check_cache_events
+
+    config = load_config(
+        None,
+        {
+            "cache_events.publisher": "ipc:///x",
+            "cache_events.model_dir": str(tmp_path),
+            "cache_events.model": "m",
+        },
+        environ={},
+    )
+    with pytest.raises(ConfigError, match=r"cache_events\.model_dir"):
+        check_cache_events(config)
+    assert publisher_address("tcp://{host}:5557", "[::1]:8000") == "tcp://[::1]:5557"
+    assert (
+        publisher_address("ipc:///run/kv-{port}.ipc", "10.0.0.7:8001") == "ipc:///run/kv-8001.ipc"
+    )
+
+
+def test_a_router_applies_an_endpoints_events_unless_it_places_nearly_all_traffic() -> None:
+    endpoints = [EndpointConfig(address=a) for a in ("10.0.0.1:8000", "10.0.0.2:8000")]
+    router = Router(RoutingConfig(), endpoints)
+    hashes = _router_hashes(_first_turn())
+    assert router.observe_cache_events("10.0.0.2:8000", [(True, hashes)])
+    assert router.index.match(hashes, router.endpoints) == {"10.0.0.2:8000": len(hashes)}
+    router._share_measured, router._traffic_share = True, 1.0  # it places all the traffic
+    assert not router.observe_cache_events("10.0.0.1:8000", [(True, hashes)])
+    assert router.index.match(hashes, router.endpoints) == {"10.0.0.2:8000": len(hashes)}
+    router.observe_cache_events("10.0.0.2:8000", [(None, cache_events.EMPTY)])  # cleared: always
+    assert router.index.match(hashes, router.endpoints) == {}
+
+
+async def test_the_subscriber_feeds_an_endpoints_published_events_to_the_router(
+    tmp_path: Path, translation: Translation
+) -> None:
+    """A real ZMQ publisher per endpoint (ipc://, as vLLM binds it): what one endpoint
+    publishes reaches the router's index for that endpoint only; a malformed message and a
+    gap in the sequence are counted; a sequence starting over (a restarted publisher)
+    empties the endpoint's index; a removed endpoint is no longer read."""
+    endpoints = [EndpointConfig(address=a) for a in ("127.0.0.1:8001", "127.0.0.1:8002")]
+    router = Router(RoutingConfig(block_size_bytes=BLOCK), endpoints)
+    config = CacheEventsConfig(
+        publisher=f"ipc://{tmp_path}/kv-{{port}}.ipc", topic="kv", model_dir="x", model=MODEL
+    )
+    addresses = [e.address for e in endpoints]
+    subscriber = CacheEventSubscriber(
+        config, translation, lambda: addresses, router.observe_cache_events
+    )
+    context = zmq.Context()
+    publisher = context.socket(zmq.PUB)
+    publisher.bind(f"ipc://{tmp_path}/kv-8002.ipc")
+    messages = _first_turn()
+    prompt = _encode(_rendered(messages))
+    events = _events_of(prompt, len(prompt) // VLLM_BLOCK)
+    hashes = _router_hashes(messages)
+
+    def publish(sequence: int, payload: bytes) -> None:
+        publisher.send_multipart([b"kv", sequence.to_bytes(8, "big"), payload])
+
+    subscriber.start()
+    try:
+        deadline = asyncio.get_running_loop().time() + 10
+        while not router.index.match(hashes, addresses):  # a SUB socket joins late: resend
+            assert asyncio.get_running_loop().time() < deadline, subscriber.counts
+            publish(0, msgspec.msgpack.encode([0.0, [{"type": "AllBlocksCleared"}, *events], 0]))
+            await asyncio.sleep(0.1)
+        matched = router.index.match(hashes, addresses)
+        assert set(matched) == {"127.0.0.1:8002"} and matched["127.0.0.1:8002"] >= len(hashes) - 1
+        publish(1, b"\xc1")
+        publish(
+            5,
+            msgspec.msgpack.encode(
+                [0.0, [{"type": "BlockRemoved", "block_hashes": events[0]["block_hashes"]}], 0]
+            ),
+        )
+        while (
+            router.index.match(hashes, addresses) != {}
+            or not subscriber.counts["127.0.0.1:8002", "missed_messages"]
+        ):
+            assert asyncio.get_running_loop().time() < deadline, subscriber.counts
+            await asyncio.sleep(0.05)
+        counts = {
+            kind: n
+            for (endpoint, kind), n in subscriber.counts.items()
+            if endpoint == "127.0.0.1:8002"
+        }
+        assert counts["malformed_messages"] == 1 and counts["missed_messages"] >= 4
+        assert counts["stored_blocks"] >= len(hashes) - 1 and counts["removed_blocks"] > 0
+        assert not any(endpoint == "127.0.0.1:8001" for endpoint, _ in subscriber.counts)
+        # The sequence starting over means the publisher restarted: its cache is empty.
+        publish(6, msgspec.msgpack.encode([0.0, events, 0]))
+        while not router.index.match(hashes, addresses):
+            assert asyncio.get_running_loop().time() < deadline, subscriber.counts
+            await asyncio.sleep(0.05)
+        restarts = subscriber.counts["127.0.0.1:8002", "restarts"]
+        publish(0, msgspec.msgpack.encode([0.0, [], 0]))
+        while router.index.match(hashes, addresses):
+            assert asyncio.get_running_loop().time() < deadline, subscriber.counts
+            await asyncio.sleep(0.05)
+        assert subscriber.counts["127.0.0.1:8002", "restarts"] == restarts + 1
+        addresses.remove("127.0.0.1:8002")
+        subscriber.follow(addresses)
+        assert set(subscriber.tables) == {"127.0.0.1:8001"}
+    finally:
+        await subscriber.stop()
+        publisher.close(linger=0)
+        context.term()
+
+
+async def test_a_late_subscriber_asks_the_replay_socket_for_what_it_missed(
+    tmp_path: Path, translation: Translation
+) -> None:
+    """An endpoint's chain was published before the router subscribed; its extension comes
+    live. The router asks the replay socket (served here as vLLM serves it: a ROUTER that
+    sends every buffered message from the asked sequence, then an end marker) for the
+    earlier messages, so the extension translates; without the replay socket it cannot
+    (its parent is unknown) and the gap is counted."""
+    messages = _first_turn()
+    prompt = _encode(_rendered(messages))
+    ids = prompt + _encode(REPLY)
+    events = _events_of(ids, len(prompt) // VLLM_BLOCK)
+    buffered = [
+        (seq, msgspec.msgpack.encode([0.0, [event], 0])) for seq, event in enumerate(events[:-1])
+    ]
+    live = (len(buffered), msgspec.msgpack.encode([0.0, [events[-1]], 0]))
+    next_turn = [
+        *messages,
+        {"role": "assistant", "content": REPLY},
+        {"role": "user", "content": "x"},
+    ]
+    whole = _router_hashes(next_turn)
+
+    async def subscribe(replay: bool) -> tuple[Router, CacheEventSubscriber]:
+        endpoints = [EndpointConfig(address="127.0.0.1:8002")]
+        router = Router(RoutingConfig(block_size_bytes=BLOCK), endpoints)
+        config = CacheEventsConfig(
+            publisher=f"ipc://{tmp_path}/kv-{{port}}.ipc",
+            replay=f"ipc://{tmp_path}/replay-{{port}}.ipc" if replay else "",
+            model_dir="x",
+            model=MODEL,
+        )
+        subscriber = CacheEventSubscriber(
+            config, translation, lambda: ["127.0.0.1:8002"], router.observe_cache_events
+        )
+        subscriber.start()
+        return router, subscriber
+
+    context = zmq.asyncio.Context()
+    publisher = context.socket(zmq.PUB)
+    publisher.bind(f"ipc://{tmp_path}/kv-8002.ipc")
+    replayer = context.socket(zmq.ROUTER)
+    replayer.bind(f"ipc://{tmp_path}/replay-8002.ipc")
+
+    async def serve_replays() -> None:
+        while True:
+            client, _, start = await replayer.recv_multipart()
+            for seq, payload in buffered:
+                if seq >= int.from_bytes(start, "big"):
+                    await replayer.send_multipart(
+                        [client, b"", b"", seq.to_bytes(8, "big"), payload]
+                    )
+            await replayer.send_multipart(
+                [client, b"", b"", (-1).to_bytes(8, "big", signed=True), b""]
+            )
+
+    server = asyncio.create_task(serve_replays())
+    try:
+        for replay in (False, True):
+            router, subscriber = await subscribe(replay)
+            try:
+                counts = subscriber.counts
+                deadline = asyncio.get_running_loop().time() + 10
+                sequence = live[0]
+                while (
+                    not counts["127.0.0.1:8002", "untranslated_blocks"]
+                    + counts["127.0.0.1:8002", "stored_blocks"]
+                ):  # a SUB socket joins late: resend, numbered as the next message would be
+                    assert asyncio.get_running_loop().time() < deadline, counts
+                    await publisher.send_multipart([b"", sequence.to_bytes(8, "big"), live[1]])
+                    sequence += 1
+                    await asyncio.sleep(0.2)
+                assert not counts["127.0.0.1:8002", "restarts"]
+                matched = router.index.match(whole, ["127.0.0.1:8002"]).get("127.0.0.1:8002", 0)
+                if replay:
+                    assert counts["127.0.0.1:8002", "replayed_messages"] == len(buffered)
+                    assert counts["127.0.0.1:8002", "untranslated_blocks"] == 0
+                    assert matched >= len(whole) - 1, (matched, len(whole))
+                else:
+                    assert counts["127.0.0.1:8002", "untranslated_blocks"] > 0 and matched == 0
+            finally:
+                await subscriber.stop()
+    finally:
+        server.cancel()
+        publisher.close(linger=0)
+        replayer.close(linger=0)
+        context.term()
