@@ -15,7 +15,9 @@ import json
 import random
 import re
 import statistics
+import sys
 import time
+import tracemalloc
 from pathlib import Path
 from typing import Any
 
@@ -117,7 +119,14 @@ def measure(
             ]
         )
         removed.append(time.perf_counter() - started)
+    tracemalloc.start()  # untimed: what the endpoint's table keeps per announced block
+    table = EndpointCacheEvents(translation, tip_bytes=0)
+    before = tracemalloc.get_traced_memory()[0]
+    table.apply(_events(ids, 0, prompt_blocks, block))
+    per_block = (tracemalloc.get_traced_memory()[0] - before) / prompt_blocks
+    tracemalloc.stop()
     return {
+        "table_bytes_per_block": per_block,
         "prompt_kib": size_kib,
         "prompt_tokens": prompt_blocks * block,
         "vllm_blocks": prompt_blocks,
@@ -152,17 +161,19 @@ def run(args: argparse.Namespace) -> int:
         f"{args.repeats})"
     )
     print(
-        "| prompt KiB | tokens | vLLM blocks | router blocks | prompt event ms | each reply block's event ms | eviction ms |"
+        "| prompt KiB | tokens | vLLM blocks | router blocks | prompt event ms | "
+        "each reply block's event ms | eviction ms | table bytes per vLLM block |"
     )
-    print("|---:|---:|---:|---:|---:|---:|---:|")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|")
     for row in rows:
         print(
             f"| {row['prompt_kib']} | {row['prompt_tokens']:,} | {row['vllm_blocks']:,} | "
             f"{row['router_blocks']:,} | {row['prompt_event_ms']:.2f} | "
-            f"{row['reply_block_event_ms']:.2f} | {row['eviction_ms']:.2f} |"
+            f"{row['reply_block_event_ms']:.2f} | {row['eviction_ms']:.2f} | "
+            f"{row['table_bytes_per_block']:.0f} |"
         )
     if args.json_out:
-        Path(args.json_out).write_text(
-            json.dumps({"rows": rows, "args": vars(args)}, indent=2, default=str)
-        )
+        command = "prefix-router bench events " + " ".join(sys.argv[3:])
+        document = {"command": command, "rows": rows}
+        Path(args.json_out).write_text(json.dumps(document, indent=2) + "\n")
     return 0

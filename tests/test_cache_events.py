@@ -7,6 +7,7 @@ whole): vLLM's real tokeniser, events and template are in tests/e2e/test_cache_e
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
 from pathlib import Path
@@ -440,3 +441,16 @@ async def test_a_late_subscriber_asks_the_replay_socket_for_what_it_missed(
         publisher.close(linger=0)
         replayer.close(linger=0)
         context.term()
+
+
+def test_bench_events_prints_and_writes_its_table(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from extproc import bench_events
+
+    out = tmp_path / "events.json"
+    args = argparse.Namespace(sizes="2", vllm_block=16, repeats=1, json_out=str(out))
+    assert bench_events.run(args) == 0
+    assert "| 2 |" in capsys.readouterr().out
+    row = json.loads(out.read_text())["rows"][0]
+    assert row["router_blocks"] > 0 and row["table_bytes_per_block"] > 0
