@@ -15,6 +15,7 @@ import json
 import random
 import re
 import statistics
+import subprocess
 import sys
 import time
 import tracemalloc
@@ -30,10 +31,40 @@ from .cache_events import (
     _environment,
 )
 from .config import RoutingConfig
-from .model_fixture import BOS, CHAT_TEMPLATE, SPECIAL_TOKENS
+from .model_fixture import _ENGLISH, BOS, CHAT_TEMPLATE, SPECIAL_TOKENS
 
 WORDS = [f"w{i:03d}x" for i in range(2000)]
 REPLY_BLOCKS = 32
+# Run in the vLLM environment (where `tokenizers` is): the median time to encode stdin.
+_ENCODE_TIMER = """
+import sys, time, statistics
+from tokenizers import Tokenizer
+tokenizer = Tokenizer.from_file(sys.argv[1])
+text = sys.stdin.read()
+times = []
+for _ in range(int(sys.argv[2])):
+    started = time.perf_counter()
+    tokenizer.encode(text, add_special_tokens=False)
+    times.append(time.perf_counter() - started)
+print(statistics.median(times) * 1000)
+"""
+
+
+def encode_ms(text: str, repeats: int) -> float:
+    """What tokenising the prompt on the hot path would cost instead: the tiny model's
+    byte-level BPE tokenizer (4,096 tokens; HF `tokenizers`, Rust) in the vLLM environment."""
+    from . import lab
+
+    python = lab.ensure_vllm_env(quiet=True)
+    model = lab.ensure_model(python, quiet=True)
+    result = subprocess.run(
+        [str(python), "-c", _ENCODE_TIMER, str(model / "tokenizer.json"), str(repeats)],
+        input=text,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    return float(result.stdout.strip())
 
 
 class _Vocabulary:
@@ -84,7 +115,12 @@ def _events(ids: list[int], first: int, last: int, block: int) -> list[dict[str,
 
 
 def measure(
-    size_kib: int, vocabulary: _Vocabulary, translation: Translation, block: int, repeats: int
+    size_kib: int,
+    vocabulary: _Vocabulary,
+    translation: Translation,
+    block: int,
+    repeats: int,
+    encode: bool = False,
 ) -> dict[str, float]:
     rng = random.Random(size_kib)
     words = max(1, size_kib * 1024 // 6)
@@ -125,7 +161,12 @@ def measure(
     table.apply(_events(ids, 0, prompt_blocks, block))
     per_block = (tracemalloc.get_traced_memory()[0] - before) / prompt_blocks
     tracemalloc.stop()
-    return {
+    row: dict[str, float] = {}
+    if encode:  # English words, as the tokenizer was trained on
+        english = _ENGLISH.split()
+        text = "".join(" " + rng.choice(english) for _ in range(size_kib * 1024 // 5))
+        row["encode_ms"] = encode_ms(text[: size_kib * 1024], repeats)
+    return row | {
         "table_bytes_per_block": per_block,
         "prompt_kib": size_kib,
         "prompt_tokens": prompt_blocks * block,
@@ -142,6 +183,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--vllm-block", type=int, default=16, help="vLLM block size (tokens)")
     parser.add_argument("--repeats", type=int, default=5, help="runs per size (median)")
     parser.add_argument("--json", dest="json_out", help="write the results here")
+    parser.add_argument(
+        "--encode",
+        action="store_true",
+        help="also time tokenising each prompt's text as the hot path would have to (the "
+        "tiny model's tokenizer, in the vLLM environment: installed on first use)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -152,7 +199,7 @@ def run(args: argparse.Namespace) -> int:
         vocabulary.table(), layout, "bench", routing.block_size_bytes, routing.max_blocks
     )
     rows = [
-        measure(int(size), vocabulary, translation, args.vllm_block, args.repeats)
+        measure(int(size), vocabulary, translation, args.vllm_block, args.repeats, args.encode)
         for size in args.sizes.split(",")
     ]
     print(
@@ -172,6 +219,11 @@ def run(args: argparse.Namespace) -> int:
             f"{row['reply_block_event_ms']:.2f} | {row['eviction_ms']:.2f} | "
             f"{row['table_bytes_per_block']:.0f} |"
         )
+    if args.encode:
+        print("\nTokenising instead, on the hot path (median ms to encode the prompt's text):")
+        print("| prompt KiB | encode ms |\n|---:|---:|")
+        for row in rows:
+            print(f"| {row['prompt_kib']} | {row['encode_ms']:.2f} |")
     if args.json_out:
         command = "prefix-router bench events " + " ".join(sys.argv[3:])
         document = {"command": command, "rows": rows}

@@ -4,7 +4,7 @@ vLLM announces every block it computes (``BlockStored``: a chain of its block ha
 their token ids, after the chat template) and every block it evicts (``BlockRemoved``).
 The router hashes a request's canonical bytes (prompt.py), and tokenising each prompt as
 the model server does to meet vLLM's hashes would not fit the hot path: a byte-level BPE
-encode of 32 KiB took ~12 ms here (docs/benchmarks.md), against a budget under 1 ms. So the
+encode of 32 KiB took ~8 ms here (docs/benchmarks.md), against a budget under 1 ms. So the
 translation runs the other way, off the hot path: a stored chain's token ids decode to the
 exact text the server rendered (byte-level BPE decodes byte for byte), the chat template's
 layout, learnt at start-up by rendering probe conversations, splits that text back into

@@ -449,7 +449,7 @@ def test_bench_events_prints_and_writes_its_table(
     from extproc import bench_events
 
     out = tmp_path / "events.json"
-    args = argparse.Namespace(sizes="2", vllm_block=16, repeats=1, json_out=str(out))
+    args = argparse.Namespace(sizes="2", vllm_block=16, repeats=1, json_out=str(out), encode=False)
     assert bench_events.run(args) == 0
     assert "| 2 |" in capsys.readouterr().out
     row = json.loads(out.read_text())["rows"][0]
