@@ -189,8 +189,8 @@ class ChatLayout:
         text is not a chat this template rendered. Trailing bytes that may begin the
         template's markup after a message are left out of it."""
         role = next((r for r, s in self.starts.items() if text.startswith(s)), None)
-        if role is None:
-            return None
+        if role is None:  # a chain too short to tell yet is a chat with no content so far
+            return [] if any(s.startswith(text) for s in self.starts.values()) else None
         at = len(self.starts[role])
         messages: list[tuple[str, int, int]] = []
         while True:

@@ -30,6 +30,7 @@ log = logging.getLogger("extproc.cache_events")
 Changes = Sequence[tuple[bool | None, np.ndarray]]
 RECONCILE_SECONDS = 1.0
 REPLAY_TIMEOUT_SECONDS = 2.0
+RETRY_SECONDS = 5.0
 END_OF_REPLAY = (-1).to_bytes(8, "big", signed=True)  # vLLM's end-of-replay sequence
 
 
@@ -101,6 +102,17 @@ class CacheEventSubscriber:
         return socket
 
     async def _read(self, endpoint: str) -> None:
+        """Follow one endpoint's publisher for as long as it is an endpoint; a socket error
+        (an address ZMQ refuses) is logged and counted, and the socket made again."""
+        while True:
+            try:
+                await self._follow_publisher(endpoint)
+            except zmq.ZMQError as exc:
+                self.counts[endpoint, "socket_errors"] += 1
+                log.error("KV-cache events of %s: %s", endpoint, exc)
+                await asyncio.sleep(RETRY_SECONDS)
+
+    async def _follow_publisher(self, endpoint: str) -> None:
         address = publisher_address(self.config.publisher, endpoint)
         socket = self._socket(zmq.SUB, address)
         try:

@@ -170,8 +170,14 @@ def test_removed_blocks_give_back_the_hashes_they_added(translation: Translation
     ]
     blocks = len(token_ids) // VLLM_BLOCK
     tail = table.apply([{"type": "BlockRemoved", "block_hashes": [blocks, blocks - 1]}])
-    rest = table.removed(list(range(1, blocks - 1)))
-    removed = [h for _, hashes in tail for h in hashes] + rest.tolist()
+    # Each block gave the router blocks that end inside its text: the first vLLM block
+    # (the opening markup and 5 bytes of the system prompt) ends none of 64 bytes, the
+    # first 21 vLLM blocks (336 tokens, one per byte here) end five.
+    first = table.removed([1])
+    next_twenty = table.removed(list(range(2, 22)))
+    assert len(first) == 0 and next_twenty.tolist() == announced[:5]
+    rest = table.removed(list(range(22, blocks - 1)))
+    removed = [h for _, hashes in tail for h in hashes] + next_twenty.tolist() + rest.tolist()
     assert all(held is False for held, _ in tail)
     assert sorted(removed) == sorted(announced) and len(removed) == len(announced)
     assert len(table) == 0 and not len(table.removed([1]))  # unknown blocks: nothing
@@ -212,6 +218,7 @@ def test_a_partial_tail_leaves_out_what_may_be_markup() -> None:
         ("assistant", b"Hello"),
     ]
     assert layout.split(b"no template here") is None
+    assert layout.split(BOS.encode()) == []  # too short to tell the role: no content yet
 
 
 def test_templates_and_tokenisers_it_cannot_invert_are_refused(tmp_path: Path) -> None:
@@ -454,3 +461,49 @@ def test_bench_events_prints_and_writes_its_table(
     assert "| 2 |" in capsys.readouterr().out
     row = json.loads(out.read_text())["rows"][0]
     assert row["router_blocks"] > 0 and row["table_bytes_per_block"] > 0
+
+
+def test_a_chain_that_starts_shorter_than_its_markup_still_translates_once_extended(
+    translation: Translation,
+) -> None:
+    """A first block that ends inside the template's opening markup (the role not yet
+    known) is remembered, so the blocks that extend it translate."""
+    messages = _first_turn()
+    prompt = _encode(_rendered(messages))
+    table = EndpointCacheEvents(translation)
+    head = 8  # BOS, the header token and "system": not yet a whole start
+    assert translation.layout.split(translation.tokens.decode(prompt[:head])) == []
+    short = {"type": "BlockStored", "block_hashes": [1], "parent_block_hash": None}
+    assert table.apply([{**short, "token_ids": prompt[:head], "block_size": head}]) == []
+    blocks = (len(prompt) - head) // VLLM_BLOCK
+    rest = {
+        "type": "BlockStored",
+        "block_hashes": list(range(2, blocks + 2)),
+        "parent_block_hash": 1,
+        "token_ids": prompt[head : head + blocks * VLLM_BLOCK],
+        "block_size": VLLM_BLOCK,
+    }
+    announced = [h for _, hashes in table.apply([rest]) for h in hashes]
+    assert table.untranslated == 0
+    assert announced and announced == _router_hashes(messages)[: len(announced)].tolist()
+
+
+async def test_a_publisher_address_zmq_refuses_is_counted_not_fatal(
+    translation: Translation,
+) -> None:
+    router = Router(RoutingConfig(), [EndpointConfig(address="127.0.0.1:8002")])
+    config = CacheEventsConfig(
+        publisher="ipc://" + "x" * 200 + "{port}", model_dir="x", model=MODEL
+    )
+    subscriber = CacheEventSubscriber(
+        config, translation, lambda: ["127.0.0.1:8002"], router.observe_cache_events
+    )
+    subscriber.start()
+    try:
+        for _ in range(50):
+            if subscriber.counts["127.0.0.1:8002", "socket_errors"]:
+                break
+            await asyncio.sleep(0.05)
+        assert subscriber.counts["127.0.0.1:8002", "socket_errors"] == 1
+    finally:
+        await subscriber.stop()
