@@ -68,9 +68,11 @@ from .workload import (
 RUNS = ("round_robin", "prefix_buffered", "prefix_duplex", "sglang", "vllm_router")
 # Optional variants: our router placing new sessions by their first blocks, not the first turn;
 # two router replicas behind one Envoy (its ext_proc cluster balances each request's stream
-# over them), on their own or reading each other's queued work (config ``peers``).
-EXTRA_RUNS = ("prefix_blocks", "prefix_k2", "prefix_k2_peers")
-TWO_ROUTER_RUNS = ("prefix_k2", "prefix_k2_peers")
+# over them), on their own, reading each other's queued work (config ``peers``), or each
+# reading the servers' KV-cache events (config ``cache_events``; the servers then publish
+# them, in every run of the benchmark).
+EXTRA_RUNS = ("prefix_blocks", "prefix_k2", "prefix_k2_peers", "prefix_k2_events")
+TWO_ROUTER_RUNS = ("prefix_k2", "prefix_k2_peers", "prefix_k2_events")
 WORKLOADS = ("chat", "groups")
 SGLANG_ROUTER = "sglang-router==0.3.2"
 VLLM_ROUTER = "vllm-router==0.1.17"
@@ -210,8 +212,10 @@ def vllm_counters(address: str) -> dict[str, float]:
     return out
 
 
-def routing_rules(admin_ports: Sequence[int]) -> dict[str, float]:
-    """Requests our routers routed, by the rule that decided (their admin /metrics)."""
+def _router_counts(
+    admin_ports: Sequence[int], name: str, label: str, **only: str
+) -> dict[str, float]:
+    """Our routers' counter ``name`` summed by ``label`` (their admin /metrics)."""
     from prometheus_client.parser import text_string_to_metric_families
 
     out: dict[str, float] = {}
@@ -219,13 +223,20 @@ def routing_rules(admin_ports: Sequence[int]) -> dict[str, float]:
         text = _http("GET", f"http://{LOOPBACK}:{port}/metrics").decode()
         for family in text_string_to_metric_families(text):
             for sample in family.samples:
-                if (
-                    sample.name == "prefix_router_requests_total"
-                    and sample.labels.get("outcome") == "routed"
-                ):
-                    reason = sample.labels.get("reason", "")
-                    out[reason] = out.get(reason, 0.0) + sample.value
+                if sample.name == name and all(sample.labels.get(k) == v for k, v in only.items()):
+                    key = sample.labels.get(label, "")
+                    out[key] = out.get(key, 0.0) + sample.value
     return out
+
+
+def routing_rules(admin_ports: Sequence[int]) -> dict[str, float]:
+    """Requests our routers routed, by the rule that decided."""
+    return _router_counts(admin_ports, "prefix_router_requests_total", "reason", outcome="routed")
+
+
+def cache_event_counts(admin_ports: Sequence[int]) -> dict[str, float]:
+    """What our routers read of the servers' KV-cache events, by kind."""
+    return _router_counts(admin_ports, "prefix_router_cache_events_total", "kind")
 
 
 def reset_caches(addresses: Sequence[str]) -> None:
@@ -304,6 +315,7 @@ def measured_run(
     }
     before = {a: vllm_counters(a) for a in servers}
     rules_before = routing_rules(target.admin_ports)
+    events_before = cache_event_counts(target.admin_ports)
     cpu_before = {name: tree_cpu_seconds(pid) for name, pid in pids.items()}
     total = chat.conversations * chat.turns if kind == "chat" else groups.groups * groups.questions
     with tqdm(
@@ -334,6 +346,12 @@ def measured_run(
         rule: int(count - rules_before.get(rule, 0.0))
         for rule, count in sorted(rules.items())
         if count > rules_before.get(rule, 0.0)
+    }
+    events = cache_event_counts(target.admin_ports)
+    row["cache_events"] = {
+        kind: int(count - events_before.get(kind, 0.0))
+        for kind, count in sorted(events.items())
+        if count > events_before.get(kind, 0.0)
     }
     n = max(1, row["requests"])
     net = {name: max(0.0, cpu[name] - idle_rate[name] * result.seconds) for name in pids}
@@ -532,8 +550,10 @@ def start_target(
     servers: Sequence[str],
     model_dir: Path,
     router_args: Sequence[str] = (),
+    events_args: Sequence[str] = (),
 ):
-    """Start what ``run`` needs in front of the servers; yields a Target; stops it after."""
+    """Start what ``run`` needs in front of the servers; yields a Target; stops it after.
+    ``events_args``: a router's settings to read the servers' KV-cache events."""
     started: list[ManagedProcess] = []
     try:
         if run in TWO_ROUTER_RUNS:
@@ -543,10 +563,9 @@ def start_target(
                 name = f"router-{run}-{k + 1}"
                 stack.router_admin_ports[name] = admin[k]
                 peers = ["--set", f"peers.addresses={LOOPBACK}:{admin[1 - k]}"]
+                own = {"prefix_k2_peers": peers, "prefix_k2_events": list(events_args)}
                 address, router = stack.start_router(
-                    servers,
-                    extra_args=[*router_args, *(peers if run == "prefix_k2_peers" else [])],
-                    name=name,
+                    servers, extra_args=[*router_args, *own.get(run, [])], name=name
                 )
                 started.append(router)
                 addresses.append(address)
@@ -827,6 +846,11 @@ def run(args: argparse.Namespace) -> int:
     with Stack(workdir=logs) as stack:
         assert stack.workdir is not None
         vllm_extra = ["--enable-scale-out"] if "vllm_router" in runs else []
+        events_dir = stack.workdir / "kv-events" if "prefix_k2_events" in runs else None
+        events_args = []
+        if events_dir is not None:
+            events_dir.mkdir(parents=True, exist_ok=True)
+            events_args = lab.router_kv_events_args(events_dir, model_dir)
         # uvicorn access log on: it shows whether vllm-router called /render.
         with lab.vllm_servers(
             args.replicas,
@@ -835,13 +859,16 @@ def run(args: argparse.Namespace) -> int:
             extra_args=vllm_extra,
             access_log=True,
             max_num_seqs=slots,
+            kv_events_dir=events_dir,
         ) as servers:
             addresses = [s.address for s in servers]
             warm_up(addresses, lab.SERVED_MODEL_NAME)
             for kind in kinds:
                 for name in runs:
                     renders_before = count_render_calls([s.log_path for s in servers])
-                    with start_target(stack, name, addresses, model_dir, router_args) as target:
+                    with start_target(
+                        stack, name, addresses, model_dir, router_args, events_args
+                    ) as target:
                         row = measured_run(target, kind, chat, groups, addresses, args.run_timeout)
                     row["render_calls"] = (
                         count_render_calls([s.log_path for s in servers]) - renders_before

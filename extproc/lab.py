@@ -353,6 +353,35 @@ def vllm_command(
     return [*args, *extra_args]
 
 
+KV_EVENTS_TOPIC = "kv"
+
+
+def kv_events_args(directory: Path, port: int) -> list[str]:
+    """vLLM's KV-cache event publisher and replay socket on ipc:// paths named by its HTTP
+    port (nothing listens on a network port): what ``router_kv_events_args`` subscribes to."""
+    config = {
+        "enable_kv_cache_events": True,
+        "publisher": "zmq",
+        "endpoint": f"ipc://{directory}/kv-{port}.ipc",
+        "replay_endpoint": f"ipc://{directory}/replay-{port}.ipc",
+        "topic": KV_EVENTS_TOPIC,
+    }
+    return ["--kv-events-config", json.dumps(config)]
+
+
+def router_kv_events_args(directory: Path, model_dir: Path) -> list[str]:
+    """A router's ``--set`` arguments to read the events of servers started with
+    ``kv_events_dir=directory``."""
+    settings = {
+        "cache_events.publisher": f"ipc://{directory}/kv-{{port}}.ipc",
+        "cache_events.replay": f"ipc://{directory}/replay-{{port}}.ipc",
+        "cache_events.topic": KV_EVENTS_TOPIC,
+        "cache_events.model_dir": str(model_dir),
+        "cache_events.model": SERVED_MODEL_NAME,
+    }
+    return [item for key, value in settings.items() for item in ("--set", f"{key}={value}")]
+
+
 def vllm_env(core: str, kv_space_gb: int = 1) -> dict[str, str]:
     return {
         **_clean_env(),
@@ -425,10 +454,14 @@ def start_vllm(
     access_log: bool = False,
     die_with_parent: bool = True,
     max_num_seqs: int = 16,
+    kv_events_dir: Path | None = None,
 ) -> Server:
-    """Start one vLLM OpenAI server on 127.0.0.1 (returns at once; see wait_healthy)."""
+    """Start one vLLM OpenAI server on 127.0.0.1 (returns at once; see wait_healthy).
+    ``kv_events_dir``: it publishes its KV-cache events there (kv_events_args)."""
     port = port or free_port()
     log_path = log_dir / f"{name}.log"
+    if kv_events_dir is not None:
+        extra_args = [*extra_args, *kv_events_args(kv_events_dir, port)]
     args = vllm_command(
         python,
         model_dir,
@@ -545,11 +578,13 @@ def vllm_servers(
     quiet: bool = False,
     access_log: bool = False,
     max_num_seqs: int | Sequence[int] = 16,
+    kv_events_dir: Path | None = None,
 ) -> Iterator[list[Server]]:
     """Prepare vLLM and the model if needed, start ``count`` servers, yield them, stop them.
 
     ``max_num_seqs`` is every server's batch slots, or one count per server (so a run can
-    have one server out of slots while another has room).
+    have one server out of slots while another has room). ``kv_events_dir``: each publishes
+    its KV-cache events there (kv_events_args).
     """
     slots = per_server(max_num_seqs, count, "max_num_seqs")
     python = ensure_vllm_env(quiet=quiet)
@@ -568,6 +603,7 @@ def vllm_servers(
                     extra_args=extra_args,
                     access_log=access_log,
                     max_num_seqs=slots[i],
+                    kv_events_dir=kv_events_dir,
                 )
             )
         wait_healthy(servers, timeout=timeout, quiet=quiet)
