@@ -28,6 +28,7 @@ from typing import Any, NamedTuple
 import numpy as np
 import orjson
 
+from .config import Config, ConfigError
 from .hashing import EMPTY, block_hashes, block_hashes_after, root_hash
 from .prompt import canonical_conversation
 
@@ -154,7 +155,7 @@ class ChatLayout:
                 if text is None or text.count(first) != 1 or text.count(second) != 1:
                     continue
                 between = text.split(first)[1].split(second)[0].encode()
-                if (between, following) not in separators[role]:
+                if between and (between, following) not in separators[role]:  # '': no mark
                     separators[role].append((between, following))
         for role in separators:  # the longest first: one separator may begin another
             separators[role].sort(key=lambda item: -len(item[0]))
@@ -461,3 +462,18 @@ def load_translation(path: str | Path, model: str, block_size: int, max_blocks: 
     )
     tokens = TokenBytes.from_file(directory / "tokenizer.json")
     return Translation(tokens, layout, model, block_size, max_blocks)
+
+
+def translation_from_config(config: Config) -> Translation:
+    """The translation ``config.cache_events`` asks for, or a ConfigError naming the field
+    (a missing file, a tokeniser or chat template it cannot use): checked at start-up and
+    by ``prefix-router config --check``."""
+    try:
+        return load_translation(
+            config.cache_events.model_dir,
+            config.cache_events.model,
+            config.routing.block_size_bytes,
+            config.routing.max_blocks,
+        )
+    except (OSError, ValueError, KeyError) as exc:
+        raise ConfigError(f"config field cache_events.model_dir: {exc}") from None

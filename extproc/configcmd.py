@@ -50,6 +50,10 @@ def run(args: argparse.Namespace) -> int:
         return 0
     try:
         config = load_config(args.check)
+        if config.cache_events.enabled:  # the model files, as serve checks them
+            from .cache_events import translation_from_config
+
+            translation_from_config(config)
     except ConfigError as exc:
         print(f"prefix-router: invalid configuration\n{exc}", file=sys.stderr)
         return 2

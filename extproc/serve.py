@@ -31,7 +31,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from prometheus_client.multiprocess import mark_process_dead
 
 from .admin import DecisionLog, build_admin_app, decision_record, start_admin
-from .cache_events import Translation, load_translation
+from .cache_events import translation_from_config
 from .cache_subscriber import CacheEventSubscriber
 from .config import (
     Config,
@@ -90,20 +90,6 @@ def process_metrics() -> RouterMetrics:
     return _METRICS
 
 
-def check_cache_events(config: Config) -> Translation:
-    """The cache_events translation of the configured model's tokeniser and chat template,
-    or a ConfigError naming the field."""
-    try:
-        return load_translation(
-            config.cache_events.model_dir,
-            config.cache_events.model,
-            config.routing.block_size_bytes,
-            config.routing.max_blocks,
-        )
-    except (OSError, ValueError, KeyError) as exc:
-        raise ConfigError(f"config field cache_events.model_dir: {exc}") from None
-
-
 class RouterService:
     """The gRPC server, router, probes, scraper and (single-process) admin of one worker.
 
@@ -152,7 +138,7 @@ class RouterService:
         if config.cache_events.enabled:
             self.cache_events = CacheEventSubscriber(
                 config.cache_events,
-                check_cache_events(config),
+                translation_from_config(config),
                 lambda: self.router.endpoints,
                 self.router.observe_cache_events,
             )
@@ -542,7 +528,7 @@ def run(args: argparse.Namespace) -> int:
             return 2
     if config.cache_events.enabled:
         try:  # fail fast too: a tokeniser or chat template the translation cannot use
-            check_cache_events(config)
+            translation_from_config(config)
         except ConfigError as exc:
             print(f"prefix-router: invalid configuration\n{exc}", file=sys.stderr)
             return 2

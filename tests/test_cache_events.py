@@ -252,8 +252,6 @@ def test_config_names_what_is_missing(tmp_path: Path) -> None:
         load_config(None, {"cache_events.publisher": "tcp://{host}:5557"}, environ={})
     with pytest.raises(ConfigError, match=r"cache_events\.publisher"):
         load_config(None, {"cache_events.publisher": "tcp://{address}:1"}, environ={})
-    from extproc.serve import check_cache_events
-
     config = load_config(
         None,
         {
@@ -264,7 +262,7 @@ def test_config_names_what_is_missing(tmp_path: Path) -> None:
         environ={},
     )
     with pytest.raises(ConfigError, match=r"cache_events\.model_dir"):
-        check_cache_events(config)
+        cache_events.translation_from_config(config)
     assert publisher_address("tcp://{host}:5557", "[::1]:8000") == "tcp://[::1]:5557"
     assert (
         publisher_address("ipc:///run/kv-{port}.ipc", "10.0.0.7:8001") == "ipc:///run/kv-8001.ipc"
@@ -507,3 +505,32 @@ async def test_a_publisher_address_zmq_refuses_is_counted_not_fatal(
         assert subscriber.counts["127.0.0.1:8002", "socket_errors"] == 1
     finally:
         await subscriber.stop()
+
+
+def test_config_check_and_serve_refuse_model_files_the_translation_cannot_use(
+    tmp_path: Path, tokenizer_file: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`prefix-router config --check` and `serve` load the tokeniser and chat template at
+    start-up: a directory without them is refused with the field named, before serving."""
+    from extproc import cli
+
+    model_dir = tmp_path / "model"
+    model_dir.mkdir()
+    config = tmp_path / "router.yaml"
+    config.write_text(
+        "endpoints: [127.0.0.1:1]\ncache_events:\n  publisher: ipc:///tmp/x-{port}.ipc\n"
+        f"  model_dir: {model_dir}\n  model: tiny\n"
+    )
+    for argv in (["config", "--check", str(config)], ["serve", "--config", str(config)]):
+        assert cli.main(argv) == 2
+        assert "cache_events.model_dir" in capsys.readouterr().err
+    (model_dir / "tokenizer.json").write_bytes(tokenizer_file.read_bytes())
+    (model_dir / "tokenizer_config.json").write_text(
+        json.dumps({"chat_template": CHAT_TEMPLATE, "bos_token": BOS})
+    )
+    assert cli.main(["config", "--check", str(config)]) == 0
+    (model_dir / "tokenizer_config.json").write_text(
+        json.dumps({"chat_template": "{% for m in messages %}{{ m.content }}{% endfor %}"})
+    )
+    assert cli.main(["config", "--check", str(config)]) == 2
+    assert "cannot be told apart" in capsys.readouterr().err

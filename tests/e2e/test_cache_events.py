@@ -12,6 +12,7 @@ import json
 import time
 import urllib.request
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -29,27 +30,30 @@ from extproc.stack import LOOPBACK, Stack
 pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.timeout(900)]
 
 
+@dataclass(frozen=True)
+class EventsServer:
+    """One vLLM server publishing its KV-cache events on ipc:// sockets in ``directory``
+    (lab.kv_events_args: the event and replay sockets named by its port)."""
+
+    address: str
+    directory: Path
+    model_dir: Path
+
+    @property
+    def socket(self) -> str:
+        return f"ipc://{self.directory}/kv-{self.address.rsplit(':', 1)[1]}.ipc"
+
+    def router_args(self) -> list[str]:
+        """A router's settings to read them (what bench live's prefix_k2_events uses)."""
+        return lab.router_kv_events_args(self.directory, self.model_dir)
+
+
 @pytest.fixture(scope="module")
-def vllm_with_events(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, str, Path]]:
-    """(address, event socket, model directory) of one vLLM server publishing its events
-    (its replay socket beside it: ``_replay_socket``)."""
-    log_dir = tmp_path_factory.mktemp("vllm-events")
-    socket = f"ipc://{log_dir}/kv-events.ipc"
-    config = {
-        "enable_kv_cache_events": True,
-        "publisher": "zmq",
-        "endpoint": socket,
-        "replay_endpoint": f"ipc://{log_dir}/kv-replay.ipc",
-        "topic": "kv",
-    }
-    args = ["--kv-events-config", json.dumps(config)]
-    with lab.vllm_servers(1, log_dir, extra_args=args) as servers:
+def vllm_with_events(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EventsServer]:
+    directory = tmp_path_factory.mktemp("vllm-events")
+    with lab.vllm_servers(1, directory, kv_events_dir=directory) as servers:
         bench_live.warm_up([servers[0].address], lab.SERVED_MODEL_NAME)
-        yield servers[0].address, socket, lab.ensure_model(lab.ensure_vllm_env())
-
-
-def _replay_socket(socket: str) -> str:
-    return socket.replace("kv-events.ipc", "kv-replay.ipc")
+        yield EventsServer(servers[0].address, directory, lab.ensure_model(lab.ensure_vllm_env()))
 
 
 def _chat(address: str, messages: list[dict[str, str]]) -> str:
@@ -83,9 +87,10 @@ def _read_events(subscriber: zmq.Socket, quiet_seconds: float = 1.5) -> list[lis
 
 
 def test_vllms_events_translate_to_the_next_turns_router_hashes(
-    vllm_with_events: tuple[str, str, Path],
+    vllm_with_events: EventsServer,
 ) -> None:
-    address, socket, model_dir = vllm_with_events
+    address, socket = vllm_with_events.address, vllm_with_events.socket
+    model_dir = vllm_with_events.model_dir
     routing = RoutingConfig()
     translation = cache_events.load_translation(
         model_dir, lab.SERVED_MODEL_NAME, routing.block_size_bytes, routing.max_blocks
@@ -169,24 +174,20 @@ def _cache_event_counts(admin_port: int) -> dict[str, float]:
 
 
 def test_a_router_learns_from_vllms_events_what_another_router_placed(
-    vllm_with_events: tuple[str, str, Path],
+    vllm_with_events: EventsServer,
 ) -> None:
     """A real router behind a real Envoy reads vLLM's events: a conversation whose first
     turn reached vLLM without it (as another router replica would send it) is matched on
     its next turn, the reply's blocks included. Without the events the router has never
     seen the conversation and matches nothing."""
-    address, socket, model_dir = vllm_with_events
+    address = vllm_with_events.address
     messages = [
         {"role": "system", "content": "You route requests to warm caches. " * 10},
         {"role": "user", "content": "What does a router learn from events? " * 5},
     ]
     with Stack() as stack:
-        settings = {
-            "cache_events.publisher": socket,
-            "cache_events.model_dir": str(model_dir),
-            "cache_events.model": lab.SERVED_MODEL_NAME,
-        }
-        args = [item for key, value in settings.items() for item in ("--set", f"{key}={value}")]
+        # Subscribing only: the replay socket is the next test's.
+        args = [*vllm_with_events.router_args(), "--set", "cache_events.replay="]
         router, _ = stack.start_router([address], extra_args=args, ready=True)
         admin = stack.router_admin_ports["router"]
         envoy, _ = stack.start_proxy("override-host", [address], router)
@@ -228,14 +229,14 @@ def test_a_router_learns_from_vllms_events_what_another_router_placed(
 
 
 def test_a_router_that_subscribes_late_replays_what_vllm_published_before(
-    vllm_with_events: tuple[str, str, Path],
+    vllm_with_events: EventsServer,
 ) -> None:
     """A conversation's first turn is cached (and announced) before the router starts; its
     second turn, sent straight to vLLM, extends that chain. The router asks vLLM's replay
     socket for the earlier messages, so the second turn translates (its parent is known)
     and the third turn, through Envoy, matches all of the second on that replica. Without
     the replay the second turn's blocks extend a parent it never saw: none would translate."""
-    address, socket, model_dir = vllm_with_events
+    address = vllm_with_events.address
     messages = [
         {"role": "system", "content": "You explain replays of missed messages. " * 10},
         {"role": "user", "content": "Which messages does a late subscriber miss? " * 4},
@@ -248,13 +249,7 @@ def test_a_router_that_subscribes_late_replays_what_vllm_published_before(
         {"role": "user", "content": "Why?"},
     ]
     with Stack() as stack:
-        settings = {
-            "cache_events.publisher": socket,
-            "cache_events.replay": _replay_socket(socket),
-            "cache_events.model_dir": str(model_dir),
-            "cache_events.model": lab.SERVED_MODEL_NAME,
-        }
-        args = [item for key, value in settings.items() for item in ("--set", f"{key}={value}")]
+        args = vllm_with_events.router_args()
         router, _ = stack.start_router([address], extra_args=args, ready=True)
         admin = stack.router_admin_ports["router"]
         envoy, _ = stack.start_proxy("override-host", [address], router)
