@@ -27,8 +27,8 @@ from .cache_events import (
     EndpointCacheEvents,
     TokenBytes,
     Translation,
-    _bytes_to_unicode,
-    _environment,
+    byte_level_alphabet,
+    template_environment,
 )
 from .config import RoutingConfig
 from .model_fixture import _ENGLISH, BOS, CHAT_TEMPLATE, SPECIAL_TOKENS
@@ -72,7 +72,7 @@ class _Vocabulary:
     rendered template of prompts made of WORDS."""
 
     def __init__(self) -> None:
-        byte_char = _bytes_to_unicode()
+        byte_char = byte_level_alphabet()
         self.tokens = list(SPECIAL_TOKENS) + [byte_char[b] for b in range(256)]
         self.tokens += [byte_char[32] + w for w in WORDS]
         self.ids = {t: i for i, t in enumerate(self.tokens)}
@@ -101,17 +101,22 @@ class _Vocabulary:
         )
 
 
+def stored_event(ids: list[int], first: int, last: int, block: int) -> dict[str, Any]:
+    """vLLM's BlockStored for blocks first..last - 1 of a chain of token ids (vLLM hash =
+    block number + 1, so a chain's parent links follow from the numbers)."""
+    return {
+        "type": "BlockStored",
+        "block_hashes": list(range(first + 1, last + 1)),
+        "parent_block_hash": first or None,
+        "token_ids": ids[first * block : last * block],
+        "block_size": block,
+        "medium": "GPU",
+        "extra_keys": [None] * (last - first),
+    }
+
+
 def _events(ids: list[int], first: int, last: int, block: int) -> list[dict[str, Any]]:
-    return [
-        {
-            "type": "BlockStored",
-            "block_hashes": list(range(first + 1, last + 1)),
-            "parent_block_hash": first or None,
-            "token_ids": ids[first * block : last * block],
-            "block_size": block,
-            "medium": "GPU",
-        }
-    ]
+    return [stored_event(ids, first, last, block)]
 
 
 def measure(
@@ -127,7 +132,7 @@ def measure(
     content = "".join(" " + rng.choice(WORDS) for _ in range(words))
     messages = [{"role": "system", "content": "You help."}, {"role": "user", "content": content}]
     rendered = (
-        _environment()
+        template_environment()
         .from_string(CHAT_TEMPLATE)
         .render(messages=messages, add_generation_prompt=True, bos_token=BOS)
     )

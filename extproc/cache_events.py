@@ -37,7 +37,7 @@ TIP_BYTES = 32 * 1024 * 1024  # per endpoint: the text of the chains being exten
 _SENTINEL = "Zq7Xv{}Qw9Jk"  # probe content: survives templates, never in a real prompt
 
 
-def _bytes_to_unicode() -> dict[int, str]:
+def byte_level_alphabet() -> dict[int, str]:
     """GPT-2's byte <-> printable character map, which byte-level BPE vocabularies use."""
     printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1)]
     printable += range(ord("®"), ord("ÿ") + 1)
@@ -68,7 +68,7 @@ class TokenBytes:
             )
         if spec.get("normalizer"):
             raise ValueError(f"cache_events.tokenizer {path}: a normalizer changes the text")
-        to_byte = {c: b for b, c in _bytes_to_unicode().items()}
+        to_byte = {c: b for b, c in byte_level_alphabet().items()}
         vocab: dict[str, int] = spec["model"]["vocab"]
         table: dict[int, bytes] = {}
         for token, token_id in vocab.items():
@@ -86,7 +86,7 @@ class TokenBytes:
         return b"".join(table[t] if 0 <= t < len(table) else b"" for t in token_ids)
 
 
-def _environment() -> Any:
+def template_environment() -> Any:
     """Jinja as transformers and vLLM render chat templates (sandboxed, trimmed blocks)."""
     from jinja2.ext import loopcontrols
     from jinja2.sandbox import ImmutableSandboxedEnvironment
@@ -120,7 +120,7 @@ class ChatLayout:
         from jinja2 import TemplateError
 
         try:
-            compiled = _environment().from_string(template)
+            compiled = template_environment().from_string(template)
         except TemplateError as exc:
             raise ValueError(f"cache_events.chat_template does not compile: {exc}") from None
 

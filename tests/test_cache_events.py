@@ -20,14 +20,15 @@ import zmq
 import zmq.asyncio
 
 from extproc import cache_events
+from extproc.bench_events import stored_event
 from extproc.cache_events import (
     ChatLayout,
     EndpointCacheEvents,
     TokenBytes,
     Translation,
-    _bytes_to_unicode,
-    _environment,
+    byte_level_alphabet,
     decode_message,
+    template_environment,
 )
 from extproc.cache_subscriber import CacheEventSubscriber, publisher_address
 from extproc.config import (
@@ -45,7 +46,7 @@ from extproc.router import Router
 MODEL = "tiny"
 BLOCK = 64  # the router's block size in bytes
 VLLM_BLOCK = 16  # tokens per vLLM block
-BYTE_CHAR = _bytes_to_unicode()
+BYTE_CHAR = byte_level_alphabet()
 VOCAB = {token: i for i, token in enumerate(SPECIAL_TOKENS)}
 VOCAB.update({BYTE_CHAR[b]: len(SPECIAL_TOKENS) + b for b in range(256)})
 SYSTEM = "You are a careful assistant. " * 10
@@ -89,7 +90,7 @@ def translation(tokenizer_file: Path) -> Translation:
 
 
 def _rendered(messages: list[dict[str, str]]) -> str:
-    template = _environment().from_string(CHAT_TEMPLATE)
+    template = template_environment().from_string(CHAT_TEMPLATE)
     return template.render(messages=messages, add_generation_prompt=True, bos_token=BOS)
 
 
@@ -104,21 +105,11 @@ def _first_turn() -> list[dict[str, str]]:
 
 def _events_of(token_ids: list[int], prompt_blocks: int) -> list[dict[str, object]]:
     """vLLM's events for one request: the prompt's blocks in one BlockStored, then one per
-    block of the reply as decoding fills it (vLLM hash = block number + 1)."""
+    block of the reply as decoding fills it."""
     whole = len(token_ids) // VLLM_BLOCK
-
-    def stored(first: int, last: int) -> dict[str, object]:
-        return {
-            "type": "BlockStored",
-            "block_hashes": list(range(first + 1, last + 1)),
-            "parent_block_hash": first or None,
-            "token_ids": token_ids[first * VLLM_BLOCK : last * VLLM_BLOCK],
-            "block_size": VLLM_BLOCK,
-            "medium": "GPU",
-            "extra_keys": [None] * (last - first),
-        }
-
-    return [stored(0, prompt_blocks)] + [stored(k, k + 1) for k in range(prompt_blocks, whole)]
+    return [stored_event(token_ids, 0, prompt_blocks, VLLM_BLOCK)] + [
+        stored_event(token_ids, k, k + 1, VLLM_BLOCK) for k in range(prompt_blocks, whole)
+    ]
 
 
 def test_the_token_table_decodes_byte_for_byte(tokenizer_file: Path) -> None:

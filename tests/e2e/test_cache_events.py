@@ -120,11 +120,7 @@ def test_vllms_events_translate_to_the_next_turns_router_hashes(
         assert sequences == sorted(sequences) and len(set(sequences)) == len(sequences)
         announced = np.concatenate(stored) if stored else np.zeros(0, np.uint64)
 
-        next_turn = [
-            *messages,
-            {"role": "assistant", "content": reply},
-            {"role": "user", "content": "Go on."},
-        ]
+        next_turn = _then(messages, reply, "Go on.")
         body = json.dumps({"model": lab.SERVED_MODEL_NAME, "messages": next_turn}).encode()
         request = parse_request("chat", body)
         expected = block_hashes(
@@ -173,6 +169,53 @@ def _cache_event_counts(admin_port: int) -> dict[str, float]:
     }
 
 
+def _router_behind_envoy(stack: Stack, address: str, args: list[str]) -> tuple[int, int]:
+    """A router reading the server's events behind a real Envoy: (admin port, Envoy port)."""
+    router, _ = stack.start_router([address], extra_args=args, ready=True)
+    envoy, _ = stack.start_proxy("override-host", [address], router)
+    time.sleep(1.0)  # the subscriber joins within its first reconcile
+    return stack.router_admin_ports["router"], envoy
+
+
+def _then(messages: list[dict[str, str]], reply: str, question: str) -> list[dict[str, str]]:
+    """The conversation's next turn: the reply, then a new question."""
+    return [
+        *messages,
+        {"role": "assistant", "content": reply},
+        {"role": "user", "content": question},
+    ]
+
+
+def _router_blocks(messages: list[dict[str, str]]) -> int:
+    """The router's whole blocks in a conversation's canonical prompt."""
+    body = orjson.dumps({"model": lab.SERVED_MODEL_NAME, "messages": messages})
+    return len(parse_request("chat", body).prompt) // RoutingConfig().block_size_bytes
+
+
+def _matched(decision: dict) -> str:
+    return f"{decision['matched_blocks']} of {decision['total_blocks']} blocks matched"
+
+
+def _wait_for_count(admin_port: int, kind: str, at_least: float) -> None:
+    deadline = time.monotonic() + 60
+    while _cache_event_counts(admin_port).get(kind, 0) < at_least:
+        assert time.monotonic() < deadline, _cache_event_counts(admin_port)
+        time.sleep(0.25)
+
+
+def _routed_through(envoy_port: int, admin_port: int, messages: list[dict[str, str]]) -> dict:
+    """Send a conversation through Envoy; the router's decision for it."""
+    _chat(f"{LOOPBACK}:{envoy_port}", messages)
+    url = f"http://{LOOPBACK}:{admin_port}/debug/decisions?outcome=routed"
+    deadline = time.monotonic() + 30
+    while True:  # recorded when the stream ends, just after the reply
+        routed = orjson.loads(urllib.request.urlopen(url, timeout=10).read())["decisions"]
+        if routed:
+            return routed[0]["decision"]
+        assert time.monotonic() < deadline, "no routed decision"
+        time.sleep(0.1)
+
+
 def test_a_router_learns_from_vllms_events_what_another_router_placed(
     vllm_with_events: EventsServer,
 ) -> None:
@@ -188,43 +231,15 @@ def test_a_router_learns_from_vllms_events_what_another_router_placed(
     with Stack() as stack:
         # Subscribing only: the replay socket is the next test's.
         args = [*vllm_with_events.router_args(), "--set", "cache_events.replay="]
-        router, _ = stack.start_router([address], extra_args=args, ready=True)
-        admin = stack.router_admin_ports["router"]
-        envoy, _ = stack.start_proxy("override-host", [address], router)
-        time.sleep(1.0)  # the subscriber joins within its first reconcile
-        # Chains cached before it joined extend parents it never saw (no replay yet).
+        admin, envoy = _router_behind_envoy(stack, address, args)
+        # Chains cached before it joined would extend parents it never saw (no replay here).
         _post(address, "/reset_prefix_cache")
         reply = _chat(address, messages)  # straight to vLLM: not through this router
-        deadline = time.monotonic() + 60
-        while _cache_event_counts(admin).get("stored_blocks", 0) < 10:
-            assert time.monotonic() < deadline, _cache_event_counts(admin)
-            time.sleep(0.25)
-        next_turn = [
-            *messages,
-            {"role": "assistant", "content": reply},
-            {"role": "user", "content": "Go on."},
-        ]
-        _chat(f"{LOOPBACK}:{envoy}", next_turn)
-        routed: list[dict] = []
-        while not routed:  # recorded when the stream ends, just after the reply
-            assert time.monotonic() < deadline, "no routed decision"
-            time.sleep(0.1)
-            url = f"http://{LOOPBACK}:{admin}/debug/decisions?outcome=routed"
-            routed = orjson.loads(urllib.request.urlopen(url, timeout=10).read())["decisions"]
-        decision = routed[0]["decision"]
+        _wait_for_count(admin, "stored_blocks", 10)
+        decision = _routed_through(envoy, admin, _then(messages, reply, "Go on."))
         counts = _cache_event_counts(admin)
-        print(
-            f"next turn: {decision['matched_blocks']} of {decision['total_blocks']} blocks matched; {counts}"
-        )
-        first_turn_blocks = (
-            len(
-                parse_request(
-                    "chat", orjson.dumps({"model": lab.SERVED_MODEL_NAME, "messages": messages})
-                ).prompt
-            )
-            // RoutingConfig().block_size_bytes
-        )
-        assert decision["matched_blocks"] > first_turn_blocks, (decision, counts)
+        print(f"next turn: {_matched(decision)}; {counts}")
+        assert decision["matched_blocks"] > _router_blocks(messages), (decision, counts)
         assert decision["endpoint"] == address
 
 
@@ -243,45 +258,13 @@ def test_a_router_that_subscribes_late_replays_what_vllm_published_before(
     ]
     _post(address, "/reset_prefix_cache")
     first = _chat(address, messages)  # published with nobody listening
-    second_turn = [
-        *messages,
-        {"role": "assistant", "content": first},
-        {"role": "user", "content": "Why?"},
-    ]
+    second_turn = _then(messages, first, "Why?")
     with Stack() as stack:
-        args = vllm_with_events.router_args()
-        router, _ = stack.start_router([address], extra_args=args, ready=True)
-        admin = stack.router_admin_ports["router"]
-        envoy, _ = stack.start_proxy("override-host", [address], router)
-        time.sleep(1.0)  # the subscriber joins within its first reconcile
+        admin, envoy = _router_behind_envoy(stack, address, vllm_with_events.router_args())
         second = _chat(address, second_turn)  # straight to vLLM: extends the first chain
-        deadline = time.monotonic() + 60
-        while _cache_event_counts(admin).get("replayed_messages", 0) < 1:
-            assert time.monotonic() < deadline, _cache_event_counts(admin)
-            time.sleep(0.25)
-        third_turn = [
-            *second_turn,
-            {"role": "assistant", "content": second},
-            {"role": "user", "content": "Thanks."},
-        ]
-        _chat(f"{LOOPBACK}:{envoy}", third_turn)
-        routed: list[dict] = []
-        while not routed:
-            assert time.monotonic() < deadline, "no routed decision"
-            time.sleep(0.1)
-            url = f"http://{LOOPBACK}:{admin}/debug/decisions?outcome=routed"
-            routed = orjson.loads(urllib.request.urlopen(url, timeout=10).read())["decisions"]
-        decision, counts = routed[0]["decision"], _cache_event_counts(admin)
-        print(
-            f"third turn: {decision['matched_blocks']} of {decision['total_blocks']} blocks matched; {counts}"
-        )
-        second_blocks = (
-            len(
-                parse_request(
-                    "chat", orjson.dumps({"model": lab.SERVED_MODEL_NAME, "messages": second_turn})
-                ).prompt
-            )
-            // RoutingConfig().block_size_bytes
-        )
+        _wait_for_count(admin, "replayed_messages", 1)
+        decision = _routed_through(envoy, admin, _then(second_turn, second, "Thanks."))
+        counts = _cache_event_counts(admin)
+        print(f"third turn: {_matched(decision)}; {counts}")
         assert counts.get("untranslated_blocks", 0) == 0, counts
-        assert decision["matched_blocks"] >= second_blocks, (decision, counts)
+        assert decision["matched_blocks"] >= _router_blocks(second_turn), (decision, counts)
