@@ -66,8 +66,11 @@ class TokenBytes:
                 f"cache_events.tokenizer {path}: decoder {decoder!r}; only byte-level BPE "
                 "tokenisers decode byte for byte (the text vLLM hashed)"
             )
-        if spec.get("normalizer"):
-            raise ValueError(f"cache_events.tokenizer {path}: a normalizer changes the text")
+        normalizer = (spec.get("normalizer") or {}).get("type")
+        if normalizer not in (None, "NFC"):  # NFC (Qwen's): only non-NFC text is missed
+            raise ValueError(
+                f"cache_events.tokenizer {path}: normalizer {normalizer!r} changes the text"
+            )
         to_byte = {c: b for b, c in byte_level_alphabet().items()}
         vocab: dict[str, int] = spec["model"]["vocab"]
         table: dict[int, bytes] = {}
