@@ -66,10 +66,16 @@ class TokenBytes:
                 f"cache_events.tokenizer {path}: decoder {decoder!r}; only byte-level BPE "
                 "tokenisers decode byte for byte (the text vLLM hashed)"
             )
-        normalizer = (spec.get("normalizer") or {}).get("type")
-        if normalizer not in (None, "NFC"):  # NFC (Qwen's): only non-NFC text is missed
+        normalizer = spec.get("normalizer") or {}
+        steps = (
+            normalizer.get("normalizers", [])
+            if normalizer.get("type") == "Sequence"
+            else [normalizer]
+        )
+        kinds = [step.get("type") for step in steps if step]
+        if any(kind != "NFC" for kind in kinds):  # NFC: only text not in NFC is missed
             raise ValueError(
-                f"cache_events.tokenizer {path}: normalizer {normalizer!r} changes the text"
+                f"cache_events.tokenizer {path}: normalizer {kinds!r} changes the text"
             )
         to_byte = {c: b for b, c in byte_level_alphabet().items()}
         vocab: dict[str, int] = spec["model"]["vocab"]

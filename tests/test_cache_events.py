@@ -226,11 +226,14 @@ def test_templates_and_tokenisers_it_cannot_invert_are_refused(tmp_path: Path) -
     lowercase = tmp_path / "lowercase.json"
     spec = {"decoder": {"type": "ByteLevel"}, "model": {"vocab": {"a": 0}}}
     lowercase.write_bytes(orjson.dumps({**spec, "normalizer": {"type": "Lowercase"}}))
-    with pytest.raises(ValueError, match="'Lowercase' changes the text"):
+    with pytest.raises(ValueError, match=r"\['Lowercase'\] changes the text"):
         TokenBytes.from_file(lowercase)
     nfc = tmp_path / "nfc.json"  # Qwen's tokenizers: NFC text decodes as it was
     nfc.write_bytes(orjson.dumps({**spec, "normalizer": {"type": "NFC"}}))
     assert TokenBytes.from_file(nfc).decode([0]) == b"a"
+    empty = tmp_path / "empty.json"  # a Sequence of no normalizers changes nothing
+    empty.write_bytes(orjson.dumps({**spec, "normalizer": {"type": "Sequence", "normalizers": []}}))
+    assert TokenBytes.from_file(empty).decode([0]) == b"a"
 
 
 def test_malformed_messages_are_refused() -> None:
