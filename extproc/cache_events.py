@@ -14,7 +14,7 @@ vLLM's own hashes serve only as ids, for parent links and removals.
 What does not translate is only not learnt (no harm to routing): tokenisers that are not
 byte-level BPE (rejected at start-up), templates whose messages cannot be told apart
 (rejected), content the template changes (trimmed whitespace, joined parts), tools, salted
-or multimodal prompts (their blocks carry extra keys), token-id prompts.
+or multimodal prompts (their blocks carry extra keys), the completions API.
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ from .prompt import canonical_conversation
 
 ROLES = ("system", "user", "assistant")
 TIP_BYTES = 32 * 1024 * 1024  # per endpoint: the text of the chains being extended
+MAX_TABLE_BLOCKS = 1_000_000  # per endpoint (~0.35 KiB each): 16M tokens in 16-token blocks
 _SENTINEL = "Zq7Xv{}Qw9Jk"  # probe content: survives templates, never in a real prompt
 
 
@@ -278,7 +279,12 @@ class Translation:
 class EndpointCacheEvents:
     """One endpoint's announced blocks, and their translation into this router's hashes."""
 
-    def __init__(self, translation: Translation, tip_bytes: int = TIP_BYTES) -> None:
+    def __init__(
+        self,
+        translation: Translation,
+        tip_bytes: int = TIP_BYTES,
+        max_table_blocks: int = MAX_TABLE_BLOCKS,
+    ) -> None:
         self.tokens, self.layout = translation.tokens, translation.layout
         self.model = translation.model
         self.block_size, self.max_blocks = translation.block_size, translation.max_blocks
@@ -288,6 +294,7 @@ class EndpointCacheEvents:
         # costs itself, not a walk up its chain and a hash of all of it (bench events).
         self._tips: OrderedDict[int, tuple[bytes, int]] = OrderedDict()
         self._tip_bytes, self._tips_held = tip_bytes, 0
+        self.max_table_blocks = max_table_blocks
         self.untranslated = 0  # stored blocks that gave no hashes of this router's
 
     def __len__(self) -> int:
@@ -385,8 +392,13 @@ class EndpointCacheEvents:
         previous = start_end
         for vllm_hash, piece, end in zip(block_hashes_, texts, ends, strict=True):
             added = hashes[previous - start_end : end - start_end].tobytes()
+            self._blocks.pop(vllm_hash, None)  # stored again: now the newest
             self._blocks[vllm_hash] = _Block(parent, piece, end, added)
             parent, previous = vllm_hash, max(previous, end)
+        # Evictions missed (a gap no replay filled) would leave blocks here for good: past
+        # the cap, the longest-stored go (their extensions then no longer translate).
+        while len(self._blocks) > self.max_table_blocks:
+            del self._blocks[next(iter(self._blocks))]
         return hashes[: previous - start_end].copy()
 
     def _untranslated(self, block_hashes_: list[int]) -> np.ndarray:

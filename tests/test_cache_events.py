@@ -172,6 +172,13 @@ def test_removed_blocks_give_back_the_hashes_they_added(translation: Translation
     assert all(held is False for held, _ in tail)
     assert sorted(removed) == sorted(announced) and len(removed) == len(announced)
     assert len(table) == 0 and not len(table.removed([1]))  # unknown blocks: nothing
+    # Past its cap the table forgets the longest-stored blocks (missed evictions).
+    capped, full = (EndpointCacheEvents(translation, max_table_blocks=n) for n in (10, 10**6))
+    for each in (capped, full):
+        each.apply(_events_of(token_ids, len(prompt) // VLLM_BLOCK))
+    assert len(capped) == 10 and len(full) == blocks
+    assert capped.removed([blocks]).tolist() == full.removed([blocks]).tolist()
+    assert not len(capped.removed([1])) and not len(capped.removed([blocks - 10]))
 
 
 def test_what_cannot_be_translated_gives_nothing(translation: Translation) -> None:
