@@ -133,7 +133,9 @@ class RouterMetrics:
             "stored_blocks / removed_blocks (the router's blocks they gave), cleared, "
             "untranslated_blocks (the endpoint's blocks that gave none), ignored_messages "
             "(a router placing nearly all traffic ignores stores and evictions), "
-            "missed_messages (sequence gaps), malformed_messages",
+            "replayed_messages, missed_messages (sequence gaps not replayed), "
+            "replay_timeouts, restarts (the sequence started over), malformed_messages, "
+            "socket_errors",
             ("endpoint", "kind"),
         )
         self.peers = gauge(
