@@ -30,7 +30,7 @@ import orjson
 
 from .config import Config, ConfigError
 from .hashing import EMPTY, block_hashes, block_hashes_after, root_hash
-from .prompt import canonical_conversation
+from .prompt import canonical_conversation_start
 
 ROLES = ("system", "user", "assistant")
 TIP_BYTES = 32 * 1024 * 1024  # per endpoint: the text of the chains being extended
@@ -236,13 +236,11 @@ class ChatLayout:
         if spans is None:
             return None
         messages = [(role, text[start:end]) for role, start, end in spans]
-        canonical = canonical_conversation(messages, last_complete=False)
-        segments: list[tuple[int, int, int]] = []
-        at = 0
-        for role, start, end in spans:
-            head = 2 + len(role.encode())  # \x01 role \x02
-            segments.append((start, at + head, end - start))
-            at += head + (end - start) + 1  # content, \x03 (escaping aside: rare)
+        canonical, content_starts = canonical_conversation_start(messages)
+        segments = [
+            (start, content_start, end - start)
+            for (_, start, end), content_start in zip(spans, content_starts, strict=True)
+        ]
         return canonical, segments
 
 

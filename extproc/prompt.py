@@ -63,18 +63,32 @@ def _escape(data: bytes) -> bytes:
     return data
 
 
+def _frame_parts(role: str, content: bytes) -> tuple[bytes, bytes]:
+    """A message's frame but its closing \\x03: the head (\\x01 role \\x02), the body."""
+    return b"\x01" + _escape(role.encode()) + b"\x02", _escape(content)
+
+
 def _frame(role: str, content: bytes) -> bytes:
-    return b"\x01" + _escape(role.encode()) + b"\x02" + _escape(content) + b"\x03"
+    head, body = _frame_parts(role, content)
+    return head + body + b"\x03"
 
 
-def canonical_conversation(messages: list[tuple[str, bytes]], last_complete: bool) -> bytes:
-    """The canonical bytes of a chat's messages (role, content), as ``parse_request`` frames
-    them; an incomplete last message (a model server's cached text that stops inside it)
-    gives a byte prefix of what the whole message would (escaping is byte-local)."""
-    framed = [_frame(role, content) for role, content in messages]
-    if framed and not last_complete:
-        framed[-1] = framed[-1][:-1]
-    return b"".join(framed)
+def canonical_conversation_start(messages: list[tuple[str, bytes]]) -> tuple[bytes, list[int]]:
+    """The canonical bytes of a chat's start, as ``parse_request`` frames its messages
+    (role, content), the last one left open (a model server's cached text may stop inside
+    it: escaping is byte-local, so this is a byte prefix of the whole message's frame);
+    and where each message's content begins in them."""
+    chunks: list[bytes] = []
+    starts: list[int] = []
+    at = 0
+    for role, content in messages:
+        head, body = _frame_parts(role, content)
+        starts.append(at + len(head))
+        chunks += (head, body, b"\x03")
+        at += len(head) + len(body) + 1
+    if chunks:
+        chunks.pop()  # the last message's end is not known
+    return b"".join(chunks), starts
 
 
 def _dump(value: Any) -> bytes:

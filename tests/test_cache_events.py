@@ -543,3 +543,15 @@ def test_config_check_and_serve_refuse_model_files_the_translation_cannot_use(
     )
     assert cli.main(["config", "--check", str(config)]) == 2
     assert "cannot be told apart" in capsys.readouterr().err
+
+
+def test_the_conversation_start_is_a_prefix_of_the_requests_bytes_escaping_included() -> None:
+    from extproc.prompt import canonical_conversation_start
+
+    messages = [("system", "frame \x01 bytes \x03 inside"), ("user", "and a question")]
+    body = {"model": MODEL, "messages": [{"role": r, "content": c} for r, c in messages]}
+    whole = parse_request("chat", json.dumps(body).encode()).prompt
+    start, content_starts = canonical_conversation_start([(r, c.encode()) for r, c in messages])
+    assert whole.startswith(start) and len(whole) == len(start) + 1  # only the last \x03
+    assert whole[content_starts[1] :].startswith(b"and a question")
+    assert content_starts[0] == len(b"\x01system\x02")
