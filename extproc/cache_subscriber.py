@@ -51,12 +51,15 @@ class CacheEventSubscriber:
         translation: Translation,
         addresses: Callable[[], list[str]],
         on_changes: Callable[[str, Changes], bool],
+        on_count: Callable[[str, str, int], None] | None = None,
     ) -> None:
-        """``on_changes(endpoint, changes)`` applies them; False: the router ignored them."""
+        """``on_changes(endpoint, changes)`` applies them; False: the router ignored them.
+        ``on_count(endpoint, kind, n)``: each addition to ``counts`` (the metrics)."""
         self.config = config
         self.translation = translation
         self._addresses = addresses
         self._on_changes = on_changes
+        self._on_count = on_count
         self._context = zmq.asyncio.Context()
         self._tasks: dict[str, asyncio.Task[None]] = {}
         self._task: asyncio.Task[None] | None = None
@@ -108,7 +111,7 @@ class CacheEventSubscriber:
             try:
                 await self._follow_publisher(endpoint)
             except zmq.ZMQError as exc:
-                self.counts[endpoint, "socket_errors"] += 1
+                self._count(endpoint, "socket_errors", 1)
                 log.error("KV-cache events of %s: %s", endpoint, exc)
                 await asyncio.sleep(RETRY_SECONDS)
 
@@ -146,12 +149,18 @@ class CacheEventSubscriber:
                 sequence = int.from_bytes(reply[2], "big")
                 if sequence < stop and (expected is None or sequence >= expected):
                     expected = self.handle(endpoint, reply[1:], expected)
-                    self.counts[endpoint, "replayed_messages"] += 1
+                    self._count(endpoint, "replayed_messages", 1)
         except TimeoutError:
-            self.counts[endpoint, "replay_timeouts"] += 1
+            self._count(endpoint, "replay_timeouts", 1)
         finally:
             dealer.close(linger=0)
         return expected
+
+    def _count(self, endpoint: str, kind: str, n: int) -> None:
+        if n:
+            self.counts[endpoint, kind] += n
+            if self._on_count is not None:
+                self._on_count(endpoint, kind, n)
 
     def handle(self, endpoint: str, frames: list[bytes], expected: int | None) -> int | None:
         """One message: translated and applied; returns the sequence number expected next."""
@@ -161,25 +170,25 @@ class CacheEventSubscriber:
         try:
             sequence, events = decode_message(frames)
         except ValueError:
-            self.counts[endpoint, "malformed_messages"] += 1
+            self._count(endpoint, "malformed_messages", 1)
             return expected
         if expected is not None and sequence > expected:
-            self.counts[endpoint, "missed_messages"] += sequence - expected
+            self._count(endpoint, "missed_messages", sequence - expected)
         elif expected is not None and sequence < expected:
             # The sequence starts over: the publisher restarted, and its cache with it.
-            self.counts[endpoint, "restarts"] += 1
+            self._count(endpoint, "restarts", 1)
             table.cleared()
             self._on_changes(endpoint, [(None, EMPTY)])
         untranslated = table.untranslated
         changes = table.apply(events)
-        self.counts[endpoint, "untranslated_blocks"] += table.untranslated - untranslated
+        self._count(endpoint, "untranslated_blocks", table.untranslated - untranslated)
         if changes:
             if self._on_changes(endpoint, changes):
                 for held, hashes in changes:
                     kind = (
                         "cleared" if held is None else "stored_blocks" if held else "removed_blocks"
                     )
-                    self.counts[endpoint, kind] += 1 if held is None else len(hashes)
+                    self._count(endpoint, kind, 1 if held is None else len(hashes))
             else:
-                self.counts[endpoint, "ignored_messages"] += 1
+                self._count(endpoint, "ignored_messages", 1)
         return sequence + 1

@@ -141,8 +141,8 @@ class RouterService:
                 translation_from_config(config),
                 lambda: self.router.endpoints,
                 self.router.observe_cache_events,
+                lambda endpoint, kind, n: self.metrics.cache_events.labels(endpoint, kind).inc(n),
             )
-        self._cache_events_exported: dict[tuple[str, str], int] = {}
         # A worker hands its placements to the supervisor, whose admin port serves them.
         self._placement_sink = placement_sink if sharing else None
         self._placements_forwarded = 0
@@ -251,18 +251,7 @@ class RouterService:
         while True:
             self.metrics.refresh(self.router)
             self._forward_placements()
-            self._export_cache_event_counts()
             await asyncio.sleep(1.0)
-
-    def _export_cache_event_counts(self) -> None:
-        if self.cache_events is None:
-            return
-        for key, count in self.cache_events.counts.items():
-            if count > self._cache_events_exported.get(key, 0):
-                self.metrics.cache_events.labels(*key).inc(
-                    count - self._cache_events_exported.get(key, 0)
-                )
-                self._cache_events_exported[key] = count
 
     async def _set_serving(self, ready: bool) -> None:
         ready = ready and not self._stopping  # discovery must not undo a drain
