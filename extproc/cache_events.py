@@ -20,6 +20,7 @@ or multimodal prompts (their blocks carry extra keys), the completions API.
 from __future__ import annotations
 
 import datetime
+import itertools
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
@@ -92,8 +93,22 @@ class TokenBytes:
         return cls([table.get(i, b"") for i in range(size)])
 
     def decode(self, token_ids: list[int]) -> bytes:
+        return b"".join(self._pieces(token_ids))
+
+    def decode_blocks(self, token_ids: list[int], block_size: int, count: int) -> list[bytes]:
+        """The bytes of each of ``count`` blocks of ``block_size`` tokens: one lookup pass
+        for the whole event (per-block lookups were half a long prompt's cost)."""
+        pieces, join = self._pieces(token_ids[: count * block_size]), b"".join
+        return [join(pieces[k : k + block_size]) for k in range(0, count * block_size, block_size)]
+
+    def _pieces(self, token_ids: list[int]) -> list[bytes]:
         table = self._table
-        return b"".join(table[t] if 0 <= t < len(table) else b"" for t in token_ids)
+        if token_ids and min(token_ids) >= 0:  # a negative id would index from the end
+            try:
+                return list(map(table.__getitem__, token_ids))
+            except IndexError:
+                pass
+        return [table[t] if 0 <= t < len(table) else b"" for t in token_ids]
 
 
 def template_environment() -> Any:
@@ -204,10 +219,15 @@ class ChatLayout:
             return [] if any(s.startswith(text) for s in self.starts.values()) else None
         at = len(self.starts[role])
         messages: list[tuple[str, int, int]] = []
+        # Each separator's next occurrence, searched again only once passed: a separator
+        # a conversation never uses would otherwise be sought to its end at every message.
+        upcoming: dict[bytes, int] = {}
         while True:
             found, found_length, found_role = -1, 0, ""
             for separator, following in self.separators[role]:
-                where = text.find(separator, at)
+                where = upcoming.get(separator, -2)
+                if -1 != where < at:
+                    where = upcoming[separator] = text.find(separator, at)
                 if where >= 0 and (found < 0 or where < found):
                     found, found_length, found_role = where, len(separator), following
             if found < 0:
@@ -244,14 +264,18 @@ class ChatLayout:
         return canonical, segments
 
 
-def canonical_offset(segments: list[tuple[int, int, int]], text_offset: int) -> int:
-    """How many canonical bytes the text before ``text_offset`` gives (ChatLayout.canonical)."""
-    offset = 0
-    for text_start, canonical_start, length in segments:
-        if text_offset <= text_start:
-            break
-        offset = canonical_start + min(text_offset - text_start, length)
-    return offset
+def canonical_offsets(segments: list[tuple[int, int, int]], text_offsets: list[int]) -> list[int]:
+    """How many canonical bytes the text before each of ``text_offsets`` (ascending) gives
+    (ChatLayout.canonical): one sweep, as a long conversation has a segment per message."""
+    out, offset, k = [], 0, 0
+    for text_offset in text_offsets:
+        while k < len(segments) and segments[k][0] < text_offset:
+            k += 1
+        if k:  # the last segment starting before text_offset
+            text_start, canonical_start, length = segments[k - 1]
+            offset = canonical_start + min(text_offset - text_start, length)
+        out.append(offset)
+    return out
 
 
 class _Block(NamedTuple):
@@ -315,10 +339,7 @@ class EndpointCacheEvents:
             return self._untranslated(block_hashes_)
         if parent is None and extra_keys and any(k is not None for k in extra_keys):
             return self._untranslated(block_hashes_)  # salted or multimodal
-        texts = [
-            self.tokens.decode(token_ids[i * block_size : (i + 1) * block_size])
-            for i in range(len(block_hashes_))
-        ]
+        texts = self.tokens.decode_blocks(token_ids, block_size, len(block_hashes_))
         start_end = above.router_end if above is not None else 0
         if start_end >= self.max_blocks:  # past the hash window: nothing new to learn
             return self._remember(
@@ -343,12 +364,12 @@ class EndpointCacheEvents:
             )
         else:
             hashes = block_hashes(canonical, root, self.block_size, self.max_blocks)[start_end:]
-        ends = []
-        offset = len(prefix)
-        for piece in texts:
-            offset += len(piece)
-            held = canonical_offset(segments, offset) // self.block_size
-            ends.append(max(start_end, min(held, start_end + len(hashes))))
+        text_ends = list(itertools.accumulate(map(len, texts), initial=len(prefix)))[1:]
+        most = start_end + len(hashes)
+        ends = [
+            max(start_end, min(held // self.block_size, most))
+            for held in canonical_offsets(segments, text_ends)
+        ]
         last = ends[-1] - start_end
         self._keep_tip(block_hashes_[-1], text, int(hashes[last - 1]) if last else previous)
         return self._remember(block_hashes_, parent, texts, ends, hashes, start_end)
@@ -387,9 +408,9 @@ class EndpointCacheEvents:
         start_end: int,
     ) -> np.ndarray:
         """Enter the blocks; ``hashes[k]`` is router block ``start_end + k``."""
-        previous = start_end
+        previous, packed = start_end, hashes.tobytes()
         for vllm_hash, piece, end in zip(block_hashes_, texts, ends, strict=True):
-            added = hashes[previous - start_end : end - start_end].tobytes()
+            added = packed[(previous - start_end) * 8 : (end - start_end) * 8]
             self._blocks.pop(vllm_hash, None)  # stored again: now the newest
             self._blocks[vllm_hash] = _Block(parent, piece, end, added)
             parent, previous = vllm_hash, max(previous, end)

@@ -150,6 +150,33 @@ def test_a_stored_chain_translates_to_the_next_turns_router_hashes(
     assert announced[: len(prompt_only) - 1] == prompt_only[:-1].tolist()
 
 
+def test_a_long_conversation_with_every_role_translates_exactly(
+    translation: Translation,
+) -> None:
+    """Many messages (a segment and a separator search each: both now one sweep), a system
+    message midway (a separator most messages never use), escaped content."""
+    messages = [{"role": "system", "content": SYSTEM}]
+    for k in range(60):
+        role = "system" if k == 31 else ("user", "assistant")[k % 2]
+        messages.append({"role": role, "content": f'Turn {k}: "quoted"\n\\ ' * (k % 5 + 1)})
+    prompt = _encode(_rendered(messages))
+    table = EndpointCacheEvents(translation)
+    announced = [
+        h for _, hs in table.apply(_events_of(prompt, len(prompt) // VLLM_BLOCK)) for h in hs
+    ]
+    expected = _router_hashes([*messages, {"role": "user", "content": "Next."}])
+    assert table.untranslated == 0 and len(announced) > 60
+    assert announced == expected[: len(announced)].tolist()
+    assert len(expected) - len(announced) <= 3  # the generation prompt's markup, then "Next."
+
+
+def test_token_ids_the_vocabulary_lacks_decode_to_nothing() -> None:
+    tokens = TokenBytes([b"a", b"b"])
+    assert tokens.decode_blocks([0, 1, 1, 0], 2, 2) == [b"ab", b"ba"]
+    assert tokens.decode_blocks([0, -1, 1, 5, 1], 2, 2) == [b"a", b"b"]  # -1 is not the last
+    assert tokens.decode([]) == b"" and tokens.decode([7]) == b""
+
+
 def test_removed_blocks_give_back_the_hashes_they_added(translation: Translation) -> None:
     prompt = _encode(_rendered(_first_turn()))
     token_ids = prompt + _encode(REPLY)
