@@ -126,11 +126,17 @@ def measure(
     block: int,
     repeats: int,
     encode: bool = False,
+    turns: int = 1,
 ) -> dict[str, float]:
     rng = random.Random(size_kib)
-    words = max(1, size_kib * 1024 // 6)
-    content = "".join(" " + rng.choice(WORDS) for _ in range(words))
-    messages = [{"role": "system", "content": "You help."}, {"role": "user", "content": content}]
+    words = max(1, size_kib * 1024 // 6 // turns)
+    messages = [{"role": "system", "content": "You help."}] + [
+        {
+            "role": ("user", "assistant")[k % 2],
+            "content": "".join(" " + rng.choice(WORDS) for _ in range(words)),
+        }
+        for k in range(turns)
+    ]
     rendered = (
         template_environment()
         .from_string(CHAT_TEMPLATE)
@@ -174,6 +180,7 @@ def measure(
     return row | {
         "table_bytes_per_block": per_block,
         "prompt_kib": size_kib,
+        "messages": len(messages),
         "prompt_tokens": prompt_blocks * block,
         "vllm_blocks": prompt_blocks,
         "router_blocks": hashes,
@@ -188,6 +195,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--vllm-block", type=int, default=16, help="vLLM block size (tokens)")
     parser.add_argument("--repeats", type=int, default=5, help="runs per size (median)")
     parser.add_argument("--json", dest="json_out", help="write the results here")
+    parser.add_argument(
+        "--turns",
+        type=int,
+        default=1,
+        help="messages the prompt's text is split into after the system prompt (user and "
+        "assistant in turn): a long conversation's cost",
+    )
     parser.add_argument(
         "--encode",
         action="store_true",
@@ -204,13 +218,21 @@ def run(args: argparse.Namespace) -> int:
         vocabulary.table(), layout, "bench", routing.block_size_bytes, routing.max_blocks
     )
     rows = [
-        measure(int(size), vocabulary, translation, args.vllm_block, args.repeats, args.encode)
+        measure(
+            int(size),
+            vocabulary,
+            translation,
+            args.vllm_block,
+            args.repeats,
+            args.encode,
+            args.turns,
+        )
         for size in args.sizes.split(",")
     ]
     print(
         f"KV-cache event translation (vLLM block {args.vllm_block} tokens, router block "
-        f"{routing.block_size_bytes} B, window {routing.max_blocks} blocks; median of "
-        f"{args.repeats})"
+        f"{routing.block_size_bytes} B, window {routing.max_blocks} blocks; a system prompt "
+        f"and {args.turns} message(s); median of {args.repeats})"
     )
     print(
         "| prompt KiB | tokens | vLLM blocks | router blocks | prompt event ms | "

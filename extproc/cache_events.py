@@ -31,7 +31,7 @@ import orjson
 
 from .config import Config, ConfigError
 from .hashing import EMPTY, block_hashes, block_hashes_after, root_hash
-from .prompt import canonical_conversation_start
+from .prompt import canonical_conversation_start, frame_head
 
 ROLES = ("system", "user", "assistant")
 TIP_BYTES = 32 * 1024 * 1024  # per endpoint: the text of the chains being extended
@@ -209,15 +209,17 @@ class ChatLayout:
                 f"(a probe conversation split as {got!r})"
             )
 
-    def split(self, text: bytes) -> list[tuple[str, int, int]] | None:
+    def split(self, text: bytes, at: int = 0, role: str = "") -> list[tuple[str, int, int]] | None:
         """The messages of a rendered conversation, or of its start (a cached chain stops
         anywhere): (role, content start, content end) offsets in ``text``; None when the
         text is not a chat this template rendered. Trailing bytes that may begin the
-        template's markup after a message are left out of it."""
-        role = next((r for r, s in self.starts.items() if text.startswith(s)), None)
-        if role is None:  # a chain too short to tell yet is a chat with no content so far
-            return [] if any(s.startswith(text) for s in self.starts.values()) else None
-        at = len(self.starts[role])
+        template's markup after a message are left out of it. With ``role``, the text is
+        read from ``at``, where a message of that role begins its content."""
+        if not role:
+            found_start = next((r for r, s in self.starts.items() if text.startswith(s)), None)
+            if found_start is None:  # too short to tell yet: a chat with no content so far
+                return [] if any(s.startswith(text) for s in self.starts.values()) else None
+            role, at = found_start, len(self.starts[found_start])
         messages: list[tuple[str, int, int]] = []
         # Each separator's next occurrence, searched again only once passed: a separator
         # a conversation never uses would otherwise be sought to its end at every message.
@@ -248,20 +250,43 @@ class ChatLayout:
         messages.append((role, at, len(text) - cut))
         return messages
 
-    def canonical(self, text: bytes) -> tuple[bytes, list[tuple[int, int, int]]] | None:
+    def canonical(self, text: bytes, after: Parsed | None = None) -> Parsed | None:
         """The canonical bytes of a rendered chat's start, and where each message's content
-        lies in both: (text start, canonical start, length), to place a text offset in the
-        canonical bytes (content maps byte for byte, markup to the content before it)."""
-        spans = self.split(text)
+        lies in both (``Parsed.segments``). ``after``: the parse of a start of ``text``;
+        only its last (open) message and what follows are read again, so a chain growing a
+        block at a time costs the block, not the conversation."""
+        base = b""
+        if after is not None and after.open_role:
+            spans = self.split(text, after.open_at, after.open_role)
+            base = after.canonical[: after.closed]
+        else:
+            spans = self.split(text)
         if spans is None:
             return None
         messages = [(role, text[start:end]) for role, start, end in spans]
-        canonical, content_starts = canonical_conversation_start(messages)
+        tail, content_starts = canonical_conversation_start(messages)
         segments = [
-            (start, content_start, end - start)
+            (start, len(base) + content_start, end - start)
             for (_, start, end), content_start in zip(spans, content_starts, strict=True)
         ]
-        return canonical, segments
+        if not spans:
+            return Parsed(base + tail, segments, 0, "", 0)
+        role, start, _ = spans[-1]
+        closed = segments[-1][1] - len(frame_head(role))
+        return Parsed(base + tail, segments, start, role, closed)
+
+
+class Parsed(NamedTuple):
+    """A rendered chat's start in canonical bytes (ChatLayout.canonical)."""
+
+    canonical: bytes
+    # Each message's content read by this parse: (text start, canonical start, length), to
+    # place a text offset in the canonical bytes (content maps byte for byte, markup to
+    # the content before it).
+    segments: list[tuple[int, int, int]]
+    open_at: int  # where the last message's content starts in the text, which may grow
+    open_role: str  # its role ("": no message yet)
+    closed: int  # canonical bytes before its frame: the messages that cannot change
 
 
 def canonical_offsets(segments: list[tuple[int, int, int]], text_offsets: list[int]) -> list[int]:
@@ -276,6 +301,19 @@ def canonical_offsets(segments: list[tuple[int, int, int]], text_offsets: list[i
             offset = canonical_start + min(text_offset - text_start, length)
         out.append(offset)
     return out
+
+
+class _Tip(NamedTuple):
+    """A chain that may grow next: its text, the router hash of its last whole block, and
+    its parse (which the next block's parse resumes)."""
+
+    text: bytes
+    last_hash: int
+    parsed: Parsed
+
+    @property
+    def size(self) -> int:
+        return len(self.text) + len(self.parsed.canonical)
 
 
 class _Block(NamedTuple):
@@ -312,9 +350,10 @@ class EndpointCacheEvents:
         self.block_size, self.max_blocks = translation.block_size, translation.max_blocks
         self._blocks: dict[int, _Block] = {}
         # The whole text of chains that may grow next (a reply being generated adds a block
-        # at a time), with the router hash of their last whole block: a new block then
-        # costs itself, not a walk up its chain and a hash of all of it (bench events).
-        self._tips: OrderedDict[int, tuple[bytes, int]] = OrderedDict()
+        # at a time), with the router hash of their last whole block and their parse: a new
+        # block then costs itself, not a walk up its chain, a parse of its conversation and
+        # a hash of all of it (bench events, --turns).
+        self._tips: OrderedDict[int, _Tip] = OrderedDict()
         self._tip_bytes, self._tips_held = tip_bytes, 0
         self.max_table_blocks = max_table_blocks
         self.untranslated = 0  # stored blocks that gave no hashes of this router's
@@ -348,16 +387,16 @@ class EndpointCacheEvents:
         root = root_hash(lora_name or self.model)
         tip = self._take_tip(parent)
         if tip is not None:
-            prefix, previous = tip
+            prefix, previous, after = tip
         else:
-            prefix, previous = self._chain_text(parent), root
+            prefix, previous, after = self._chain_text(parent), root, None
             if prefix is None:
                 return self._untranslated(block_hashes_)
         text = prefix + b"".join(texts)
-        parsed = self.layout.canonical(text)
+        parsed = self.layout.canonical(text, after)
         if parsed is None:
             return self._untranslated(block_hashes_)
-        canonical, segments = parsed
+        canonical, segments = parsed.canonical, parsed.segments
         if tip is not None:
             hashes = block_hashes_after(
                 canonical, previous, start_end, self.block_size, self.max_blocks
@@ -371,7 +410,8 @@ class EndpointCacheEvents:
             for held in canonical_offsets(segments, text_ends)
         ]
         last = ends[-1] - start_end
-        self._keep_tip(block_hashes_[-1], text, int(hashes[last - 1]) if last else previous)
+        last_hash = int(hashes[last - 1]) if last else previous
+        self._keep_tip(block_hashes_[-1], _Tip(text, last_hash, parsed))
         return self._remember(block_hashes_, parent, texts, ends, hashes, start_end)
 
     def _chain_text(self, block: int | None) -> bytes | None:
@@ -385,18 +425,17 @@ class EndpointCacheEvents:
             block = known.parent
         return b"".join(reversed(pieces))
 
-    def _take_tip(self, block: int | None) -> tuple[bytes, int] | None:
+    def _take_tip(self, block: int | None) -> _Tip | None:
         tip = self._tips.pop(block, None) if block is not None else None
         if tip is not None:
-            self._tips_held -= len(tip[0])
+            self._tips_held -= tip.size
         return tip
 
-    def _keep_tip(self, block: int, text: bytes, last_hash: int) -> None:
-        self._tips[block] = (text, last_hash)
-        self._tips_held += len(text)
+    def _keep_tip(self, block: int, tip: _Tip) -> None:
+        self._tips[block] = tip
+        self._tips_held += tip.size
         while self._tips_held > self._tip_bytes and self._tips:
-            _, (dropped, _) = self._tips.popitem(last=False)
-            self._tips_held -= len(dropped)
+            self._tips_held -= self._tips.popitem(last=False)[1].size
 
     def _remember(
         self,

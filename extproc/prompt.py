@@ -68,6 +68,11 @@ def _frame_parts(role: str, content: bytes) -> tuple[bytes, bytes]:
     return b"\x01" + _escape(role.encode()) + b"\x02", _escape(content)
 
 
+def frame_head(role: str) -> bytes:
+    """What precedes a message's content in the canonical bytes."""
+    return _frame_parts(role, b"")[0]
+
+
 def _frame(role: str, content: bytes) -> bytes:
     head, body = _frame_parts(role, content)
     return head + body + b"\x03"

@@ -168,6 +168,28 @@ def test_a_long_conversation_with_every_role_translates_exactly(
     assert table.untranslated == 0 and len(announced) > 60
     assert announced == expected[: len(announced)].tolist()
     assert len(expected) - len(announced) <= 3  # the generation prompt's markup, then "Next."
+    # The same conversation a few turns at a time, as vLLM announces it: each turn's prompt
+    # stores the blocks after the last whole block it found cached (its parent), then its
+    # reply a block at a time. Extending a kept chain resumes its parse at the open message;
+    # walking the chain (nothing kept) parses it all: both give the whole conversation.
+    replies = [f"Reply {k}: " + REPLY for k in range(3)]
+    for k, at in enumerate((21, 41)):
+        messages[at] = {"role": "assistant", "content": replies[k]}
+    turns = [messages[:21], messages[:41], messages]
+    for tip_bytes in (cache_events.TIP_BYTES, 0):
+        table, announced, cached = EndpointCacheEvents(translation, tip_bytes), [], 0
+        for turn, reply in zip(turns, replies, strict=True):
+            token_ids = _encode(_rendered(turn)) + _encode(reply)
+            prompt_end = len(_encode(_rendered(turn))) // VLLM_BLOCK
+            events = [stored_event(token_ids, cached, prompt_end, VLLM_BLOCK)] + [
+                stored_event(token_ids, b, b + 1, VLLM_BLOCK)
+                for b in range(prompt_end, len(token_ids) // VLLM_BLOCK)
+            ]
+            announced += [h for _, hs in table.apply(events) for h in hs]
+            cached = len(token_ids) // VLLM_BLOCK
+        expected = _router_hashes([*messages, {"role": "assistant", "content": replies[-1]}])
+        assert table.untranslated == 0 and len(announced) >= len(expected) - 1 > 70
+        assert announced == expected[: len(announced)].tolist()
 
 
 def test_token_ids_the_vocabulary_lacks_decode_to_nothing() -> None:
@@ -490,11 +512,15 @@ def test_bench_events_prints_and_writes_its_table(
     from extproc import bench_events
 
     out = tmp_path / "events.json"
-    args = argparse.Namespace(sizes="2", vllm_block=16, repeats=1, json_out=str(out), encode=False)
-    assert bench_events.run(args) == 0
-    assert "| 2 |" in capsys.readouterr().out
-    row = json.loads(out.read_text())["rows"][0]
-    assert row["router_blocks"] > 0 and row["table_bytes_per_block"] > 0
+    for turns in (1, 6):
+        args = argparse.Namespace(
+            sizes="2", vllm_block=16, repeats=1, json_out=str(out), encode=False, turns=turns
+        )
+        assert bench_events.run(args) == 0
+        assert "| 2 |" in capsys.readouterr().out
+        row = json.loads(out.read_text())["rows"][0]
+        assert row["router_blocks"] > 0 and row["table_bytes_per_block"] > 0
+        assert row["messages"] == turns + 1
 
 
 def test_a_chain_that_starts_shorter_than_its_markup_still_translates_once_extended(
