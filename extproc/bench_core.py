@@ -29,10 +29,13 @@ from .router import Router
 KIB = 1024
 
 
-def chat_bodies(size: int, count: int, conversations: int, seed: int = 1) -> list[bytes]:
+def chat_bodies(
+    size: int, count: int, conversations: int, seed: int = 1, history: int = 1
+) -> list[bytes]:
     """`count` chat bodies of about `size` bytes from `conversations` conversations: each
     conversation repeats its own document (80 % of the body, so later requests match it
-    in the index) followed by a new question."""
+    in the index) followed by a new question. With ``history`` > 1 the document is that
+    many messages, user and assistant in turn (a long conversation or agent loop)."""
     rng = random.Random(seed)
     words = [f"w{i}" for i in range(2000)]
 
@@ -41,12 +44,18 @@ def chat_bodies(size: int, count: int, conversations: int, seed: int = 1) -> lis
         return out[:length]
 
     system = "You are a helpful assistant. " * 4
-    documents = [text(int(size * 0.8)) for _ in range(conversations)]
+    documents = [
+        [
+            {"role": ("user", "assistant")[k % 2], "content": text(int(size * 0.8) // history)}
+            for k in range(history)
+        ]
+        for _ in range(conversations)
+    ]
     bodies = []
     for i in range(count):
         messages = [
             {"role": "system", "content": system},
-            {"role": "user", "content": documents[i % conversations]},
+            *documents[i % conversations],
             {"role": "assistant", "content": "ok"},
             {"role": "user", "content": text(max(16, size - int(size * 0.8) - 200))},
         ]
@@ -62,21 +71,29 @@ def _endpoints(count: int, capacity_tokens: int | None = None) -> list[EndpointC
 
 
 def _warmed(
-    size: int, endpoints: int, requests: int, routing: RoutingConfig | None = None
+    size: int,
+    endpoints: int,
+    requests: int,
+    routing: RoutingConfig | None = None,
+    history: int = 1,
 ) -> tuple[Router, list[bytes]]:
     """A router whose index the first ``requests`` of 2 x ``requests`` bodies filled, and
     all the bodies (the second half is the one to time)."""
     router = Router(routing or RoutingConfig(), _endpoints(endpoints))
-    bodies = chat_bodies(size, requests * 2, conversations=max(4, endpoints))
+    bodies = chat_bodies(size, requests * 2, conversations=max(4, endpoints), history=history)
     for body in bodies[:requests]:
         router.finish(router.route(parse_request("chat", body)))
     return router, bodies
 
 
 def measure(
-    size: int, endpoints: int, requests: int, routing: RoutingConfig | None = None
+    size: int,
+    endpoints: int,
+    requests: int,
+    routing: RoutingConfig | None = None,
+    history: int = 1,
 ) -> dict[str, Any]:
-    router, bodies = _warmed(size, endpoints, requests, routing)
+    router, bodies = _warmed(size, endpoints, requests, routing, history)
     timings, answers, blocks = [], [], []
     gc.collect()
     perf = time.perf_counter_ns
@@ -94,6 +111,7 @@ def measure(
     return {
         "body_bytes": size,
         "endpoints": endpoints,
+        "messages": history + 3,
         "requests": len(timings),
         "mean_body_bytes": round(statistics.fmean(len(b) for b in bodies)),
         "mean_blocks_hashed": round(statistics.fmean(blocks)),
@@ -263,6 +281,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--endpoints", default="4,64,512", help="endpoint counts")
     parser.add_argument("--requests", type=int, default=2000, help="timed decisions per cell")
     parser.add_argument("--short", action="store_true", help="CI mode: few requests")
+    parser.add_argument(
+        "--history",
+        type=int,
+        default=1,
+        help="messages the conversation's shared part is split into (a long conversation)",
+    )
     add_routing_argument(
         parser,
         help_text="a routing setting for the timed router (repeatable), e.g. max_blocks=1024",
@@ -309,7 +333,7 @@ def run(args: argparse.Namespace) -> int:
         for count in counts:
             # 1 MiB bodies: fewer requests, the cell would otherwise take minutes.
             n = max(20, requests // 10) if size >= 512 * KIB else requests
-            row = measure(size, count, n, routing)
+            row = measure(size, count, n, routing, args.history)
             rows.append(row)
             print(
                 f"{size // KIB:>6}Ki {count:>9} {row['p50_us']:>9.1f} {row['p99_us']:>9.1f} "

@@ -52,6 +52,11 @@ def api_for_path(path: str) -> str | None:
 
 
 _FRAMING_BYTES = (b"\x1b", b"\x01", b"\x02", b"\x03")
+# The usual roles' frame heads, built once (the escaping cannot change them).
+_HEADS = {
+    role: b"\x01" + role.encode() + b"\x02"
+    for role in ("system", "developer", "user", "assistant", "tool", "function")
+}
 
 
 def _escape(data: bytes) -> bytes:
@@ -63,14 +68,28 @@ def _escape(data: bytes) -> bytes:
     return data
 
 
+def _escape_each(contents: list[bytes]) -> list[bytes]:
+    """``_escape`` of each: one look at them all first, as the framing bytes are rare and a
+    long conversation's messages are many (a look each cost ~1 µs)."""
+    joined = b"".join(contents)
+    if any(b in joined for b in _FRAMING_BYTES):
+        return [_escape(content) for content in contents]
+    return contents
+
+
+def _frame_head(role: str) -> bytes:
+    head = _HEADS.get(role)
+    return head if head is not None else b"\x01" + _escape(role.encode()) + b"\x02"
+
+
 def _frame_parts(role: str, content: bytes) -> tuple[bytes, bytes]:
     """A message's frame but its closing \\x03: the head (\\x01 role \\x02), the body."""
-    return b"\x01" + _escape(role.encode()) + b"\x02", _escape(content)
+    return _frame_head(role), _escape(content)
 
 
 def frame_head(role: str) -> bytes:
     """What precedes a message's content in the canonical bytes."""
-    return _frame_parts(role, b"")[0]
+    return _frame_head(role)
 
 
 def _frame(role: str, content: bytes) -> bytes:
@@ -86,8 +105,9 @@ def canonical_conversation_start(messages: list[tuple[str, bytes]]) -> tuple[byt
     chunks: list[bytes] = []
     starts: list[int] = []
     at = 0
-    for role, content in messages:
-        head, body = _frame_parts(role, content)
+    bodies = _escape_each([content for _, content in messages])
+    for (role, _), body in zip(messages, bodies, strict=True):
+        head = _frame_head(role)
         starts.append(at + len(head))
         chunks += (head, body, b"\x03")
         at += len(head) + len(body) + 1
@@ -142,9 +162,10 @@ def _conversation(preamble: list[bytes], messages: list[Any]) -> tuple[bytes, in
     chunks = list(preamble)
     size = sum(len(c) for c in chunks)
     first_turn_end = preamble_end = 0
-    for message in messages:
-        role, body = _message_bytes(message)
-        framed = _frame(role, body)
+    parts = [_message_bytes(message) for message in messages]
+    bodies = _escape_each([body for _, body in parts])
+    for (role, _), body in zip(parts, bodies, strict=True):
+        framed = _frame_head(role) + body + b"\x03"
         chunks.append(framed)
         if not first_turn_end and role not in _PREAMBLE_ROLES:
             preamble_end, first_turn_end = size, size + len(framed)

@@ -122,6 +122,22 @@ def test_bench_core_routing_overrides_reach_the_timed_router(tmp_path):
         main(["bench", "core", "--short", "--routing", "max_blocks=0"])
 
 
+def test_bench_core_history_makes_long_conversations(tmp_path):
+    from extproc.bench_core import chat_bodies
+    from extproc.prompt import parse_request
+
+    out = tmp_path / "history.json"
+    args = ["bench", "core", "--short", "--sizes", "8", "--endpoints", "4", "--history", "50"]
+    assert main([*args, "--json", str(out)]) == 0
+    assert json.loads(out.read_text())["rows"][0]["messages"] == 53
+    long, short = (chat_bodies(8192, 8, 4, history=h) for h in (50, 1))
+    assert [len(json.loads(b)["messages"]) for b in (long[0], short[0])] == [53, 4]
+    # A conversation's history repeats, so later requests find it in the index.
+    prompts = [parse_request("chat", b).prompt for b in long]
+    shared = len(prompts[0]) - len(json.loads(long[0])["messages"][-1]["content"]) - 10
+    assert prompts[0][:shared] == prompts[4][:shared] != prompts[1][:shared]
+
+
 def test_bench_overhead_config_selection():
     from extproc.bench_overhead import select_configs
 

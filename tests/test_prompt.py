@@ -50,6 +50,23 @@ def test_chat_content_cannot_forge_message_boundaries():
     assert a.prompt != b.prompt
 
 
+def test_framing_bytes_are_escaped_in_whichever_message_holds_them():
+    """One look at all the messages decides whether any needs escaping; then each that
+    does is escaped, the others kept as they are (the bytes pinned)."""
+    messages = [
+        {"role": "system", "content": "S"},
+        {"role": "user", "content": "plain"},
+        {"role": "user", "content": "a\x1bb"},
+        {"role": "critic\x02", "content": "c\x01d\x03"},
+    ]
+    assert parse_request("chat", chat(messages)).prompt == (
+        b"\x01system\x02S\x03\x01user\x02plain\x03\x01user\x02a\x1b\x1bb\x03"
+        b"\x01critic\x1bB\x02c\x1bAd\x1bC\x03"
+    )
+    clean = parse_request("chat", chat(messages[:2])).prompt
+    assert clean == b"\x01system\x02S\x03\x01user\x02plain\x03"
+
+
 def test_chat_multimodal_text_parts_and_images_are_hashed():
     parts = [
         {"type": "text", "text": "Describe"},
