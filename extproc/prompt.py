@@ -143,6 +143,10 @@ def _content_bytes(content: Any) -> bytes:
 
 
 def _message_bytes(message: Any) -> tuple[str, bytes]:
+    if type(message) is dict and len(message) == 2:  # most messages: a role and a text
+        role, content = message.get("role"), message.get("content")
+        if type(role) is str and type(content) is str:
+            return role, content.encode()
     if not isinstance(message, dict):
         raise NotRoutable("bad_messages", "message is not an object")
     role = message.get("role", "user" if "content" in message else message.get("type", ""))
@@ -159,18 +163,17 @@ def _message_bytes(message: Any) -> tuple[str, bytes]:
 
 
 def _conversation(preamble: list[bytes], messages: list[Any]) -> tuple[bytes, int, int]:
-    chunks = list(preamble)
-    size = sum(len(c) for c in chunks)
-    first_turn_end = preamble_end = 0
     parts = [_message_bytes(message) for message in messages]
     bodies = _escape_each([body for _, body in parts])
-    for (role, _), body in zip(parts, bodies, strict=True):
-        framed = _frame_head(role) + body + b"\x03"
-        chunks.append(framed)
-        if not first_turn_end and role not in _PREAMBLE_ROLES:
-            preamble_end, first_turn_end = size, size + len(framed)
-        size += len(framed)
-    return b"".join(chunks), first_turn_end, preamble_end
+    framed = [
+        _frame_head(role) + body + b"\x03" for (role, _), body in zip(parts, bodies, strict=True)
+    ]
+    first_turn_end = preamble_end = 0
+    first = next((k for k, (role, _) in enumerate(parts) if role not in _PREAMBLE_ROLES), None)
+    if first is not None:
+        preamble_end = sum(map(len, preamble)) + sum(map(len, framed[:first]))
+        first_turn_end = preamble_end + len(framed[first])
+    return b"".join(preamble + framed), first_turn_end, preamble_end
 
 
 def _chat_prompt(body: dict[str, Any]) -> tuple[bytes, int, int]:
