@@ -140,7 +140,7 @@ def _add_kv_events_argument(parser: argparse.ArgumentParser) -> None:
         metavar="DELAY_MS",
         help="ours' router replicas read the replicas' KV-cache events (vLLM's BlockStored "
         "/ BlockRemoved), each DELAY_MS after it happened: what a router subscribed to them "
-        "would know (the server does not subscribe yet; a prompt's blocks are announced when "
+        "would know (the server's cache_events section; a prompt's blocks are announced when "
         "its prefill ends); needs one KV pool",
     )
 

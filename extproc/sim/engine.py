@@ -48,8 +48,8 @@ class SimParams:
     # full block it computes), so the next turn, which carries it, can hit it there.
     cache_outputs: bool = False
     # Ours' router replicas read the replicas' KV-cache events (vLLM's BlockStored /
-    # BlockRemoved), each this many ms after it happened; None: they do not (the default:
-    # the server does not subscribe to them yet).
+    # BlockRemoved), each this many ms after it happened; None: they do not (the default,
+    # as the server's cache_events section is optional: it needs the model's files).
     kv_events_ms: float | None = None
 
 
