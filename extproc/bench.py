@@ -126,10 +126,13 @@ def _add_server_blocks_argument(parser: argparse.ArgumentParser) -> None:
 def _add_cache_outputs_argument(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--cache-outputs",
-        action="store_true",
+        action=argparse.BooleanOptionalAction,
+        default=None,
         help="a finished request's reply stays in its replica's cache, as vLLM v1 caches "
         "every full block it computes, so a chat's next turn (which carries the reply) can "
-        "hit it there (chat workloads; not with --kv-pool split)",
+        "hit it there (chat workloads). The default with one KV pool since Dec 4; "
+        "--no-cache-outputs is the prompt-only model of the earlier figures (and the only "
+        "one --kv-pool split has)",
     )
 
 
@@ -255,6 +258,8 @@ def _policy_names(spec: str) -> list[str]:
 def run(args: argparse.Namespace) -> int:
     if args.bench in OTHER_BENCHMARKS:
         return importlib.import_module(OTHER_BENCHMARKS[args.bench][0]).run(args)
+    if args.cache_outputs is None:
+        args.cache_outputs = args.kv_pool != "split"
     if args.cache_outputs and args.kv_pool == "split":
         raise SystemExit("--cache-outputs needs one KV pool: --kv-pool preempt or shared")
     if args.kv_events is not None and (args.kv_events < 0 or args.kv_pool == "split"):
@@ -333,7 +338,7 @@ def grid_command(args: argparse.Namespace) -> int:
         f"routing overrides: {routing or 'none'}{shared}; {runs * len(seeds)} runs{over}, "
         f"{args.jobs} worker processes; KV pool {args.kv_pool}"
         + ("; ours in its configured blocks (--server-blocks)" if args.server_blocks else "")
-        + ("; replies cached (--cache-outputs)" if args.cache_outputs else "")
+        + ("; replies cached" if args.cache_outputs else "; prompts only (--no-cache-outputs)")
         + _kv_events_note(args.kv_events)
     )
     print(sim_grid.markdown(rows))
@@ -472,7 +477,7 @@ def simulate_command(args: argparse.Namespace) -> int:
         f"{args.replicas} replicas x {args.capacity_tokens:,} KV tokens; "
         f"router replicas K={args.router_replicas}; seed {args.seed}; KV pool {args.kv_pool}"
         + ("; ours in its configured blocks (--server-blocks)" if args.server_blocks else "")
-        + ("; replies cached (--cache-outputs)" if args.cache_outputs else "")
+        + ("; replies cached" if args.cache_outputs else "; prompts only (--no-cache-outputs)")
         + _kv_events_note(args.kv_events)
     )
     print("cost model: " + ", ".join(f"{k}={v}" for k, v in cost.as_dict().items()))

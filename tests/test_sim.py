@@ -187,8 +187,9 @@ def test_cached_replies_raise_chat_hits_within_the_ideal(small_chat: Workload) -
     """With replies cached, every policy's hits still reconcile with the replicas' counters
     and stay under the ideal (which caches replies too); a policy that keeps a conversation
     on one replica gains the replies it carries, one that scatters it gains little."""
-    base = SimParams(replicas=4, capacity_tokens=20_000, seed=1)
+    base = SimParams(replicas=4, capacity_tokens=20_000, seed=1, cache_outputs=False)
     replies = dataclasses.replace(base, cache_outputs=True)
+    assert SimParams().cache_outputs  # the default since Dec 4, as vLLM v1 caches replies
     ideal = ideal_hit_tokens(small_chat.requests, 16, cache_outputs=True)
     assert ideal > ideal_hit_tokens(small_chat.requests, 16)
     gains = {}
@@ -335,7 +336,7 @@ def test_hit_accounting_matches_replica_counters_and_ideal_bounds_it(
     assert sum(r.hit_tokens for r in result.records) == sum(x.hit_tokens for x in result.replicas)
     assert sum(x.requests for x in result.replicas) == len(small_chat.requests)
     assert all(x.running == 0 and not x.waiting for x in result.replicas)
-    ideal = ideal_hit_tokens(small_chat.requests, 16)
+    ideal = ideal_hit_tokens(small_chat.requests, 16, params.cache_outputs)
     assert sum(r.hit_tokens for r in result.records) <= ideal
 
 
@@ -512,13 +513,18 @@ def test_cli_simulate_routing_overrides_reach_ours(tmp_path, capsys) -> None:
 def test_cli_cache_outputs_reaches_the_replicas_and_the_ideal(tmp_path, capsys) -> None:
     run = functools.partial(_simulate_ours_on_small_chat, tmp_path)
 
-    default, replies = run(), run("--cache-outputs")
-    assert replies["params"]["cache_outputs"] and not default["params"]["cache_outputs"]
-    assert "replies cached (--cache-outputs)" in capsys.readouterr().out
-    assert replies["ideal_hit_ratio"] > default["ideal_hit_ratio"]
-    assert replies["policies"]["ours"]["hit_ratio"] > default["policies"]["ours"]["hit_ratio"]
+    default, replies, prompts = run(), run("--cache-outputs"), run("--no-cache-outputs")
+    assert default["params"]["cache_outputs"]  # by default, as vLLM v1 does
+    assert default["policies"]["ours"]["hit_ratio"] == replies["policies"]["ours"]["hit_ratio"]
+    assert replies["params"]["cache_outputs"] and not prompts["params"]["cache_outputs"]
+    out = capsys.readouterr().out
+    assert "; replies cached" in out and "prompts only (--no-cache-outputs)" in out
+    assert replies["ideal_hit_ratio"] > prompts["ideal_hit_ratio"]
+    assert replies["policies"]["ours"]["hit_ratio"] > prompts["policies"]["ours"]["hit_ratio"]
     with pytest.raises(SystemExit, match="--cache-outputs needs one KV pool"):
         run("--cache-outputs", "--kv-pool", "split")
+    split = run("--kv-pool", "split")  # the split model has no replies to keep
+    assert not split["params"]["cache_outputs"]
 
 
 def test_server_blocks_keep_ours_at_its_configured_block_size(tmp_path, capsys) -> None:

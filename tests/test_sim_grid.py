@@ -148,11 +148,14 @@ def test_grid_with_seeds_averages_draws_it_also_runs_alone(tmp_path) -> None:
         )
     assert "same --kv-pool" in str(error.value)
     assert one["kv_pool"] == "preempt"
-    # And peers simulated without cached replies (grids before --cache-outputs).
+    # And peers simulated with the other reply model (replies cached by default since Dec 4;
+    # grids before ran prompts only).
     with pytest.raises(SystemExit) as error:
-        _grid(tmp_path, "mixed.json", "--peers-from", str(tmp_path / "one.json"), "--cache-outputs")
+        _grid(
+            tmp_path, "mixed.json", "--peers-from", str(tmp_path / "one.json"), "--no-cache-outputs"
+        )
     assert "same --cache-outputs" in str(error.value)
-    assert one["cache_outputs"] is False
+    assert one["cache_outputs"] is True
 
 
 def test_grid_server_blocks_runs_ours_as_simulate_does(tmp_path) -> None:

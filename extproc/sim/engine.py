@@ -45,8 +45,10 @@ class SimParams:
     # blocks to hash and match instead of ~23.
     server_blocks: bool = False
     # A finished chat request's reply stays in its replica's cache (vLLM v1 caches every
-    # full block it computes), so the next turn, which carries it, can hit it there.
-    cache_outputs: bool = False
+    # full block it computes), so the next turn, which carries it, can hit it there. The
+    # default since Dec 4 (fifteenth session); False is the prompt-only model of earlier
+    # figures, and the only one kv_pool "split" has.
+    cache_outputs: bool = True
     # Ours' router replicas read the replicas' KV-cache events (vLLM's BlockStored /
     # BlockRemoved), each this many ms after it happened; None: they do not (the default,
     # as the server's cache_events section is optional: it needs the model's files).

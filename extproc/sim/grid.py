@@ -94,7 +94,7 @@ def _workload(name: str, trace: str | None, seed: int = 0) -> Workload:
 
 @functools.cache
 def _ideal(
-    name: str, trace: str | None, block_tokens: int, seed: int = 0, cache_outputs: bool = False
+    name: str, trace: str | None, block_tokens: int, seed: int = 0, cache_outputs: bool = True
 ) -> float:
     return ideal_hit_ratio(_workload(name, trace, seed).requests, block_tokens, cache_outputs)
 
@@ -109,7 +109,7 @@ def run_one(
     seed: int = 0,
     kv_pool: str = DEFAULT_KV_POOL,
     server_blocks: bool = False,
-    cache_outputs: bool = False,
+    cache_outputs: bool = True,
     kv_events_ms: float | None = None,
 ) -> tuple[Cell, str, dict[str, Any]]:
     """One simulation (runs in a worker process; everything it takes is picklable)."""
@@ -173,7 +173,7 @@ def run_grid(
     seeds: Sequence[int] = (0,),
     kv_pool: str = DEFAULT_KV_POOL,
     server_blocks: bool = False,
-    cache_outputs: bool = False,
+    cache_outputs: bool = True,
     kv_events_ms: float | None = None,
 ) -> dict[Cell, dict[str, dict[str, Any]]]:
     """Peers and bounds run at K=1 only (their K sweep is `simulate --sweep-k`'s job).
@@ -251,7 +251,7 @@ def load_peers(
     path: str | os.PathLike[str],
     seeds: Sequence[int] = (0,),
     kv_pool: str = DEFAULT_KV_POOL,
-    cache_outputs: bool = False,
+    cache_outputs: bool = True,
 ) -> dict[Cell, dict[str, dict[str, Any]]]:
     """The peers' figures from an earlier grid, which must have run the same seeds and memory
     model: means over other draws of the workloads, or on other replicas, are not comparable."""
