@@ -234,6 +234,17 @@ def routing_rules(admin_ports: Sequence[int]) -> dict[str, float]:
     return _router_counts(admin_ports, "prefix_router_requests_total", "reason", outcome="routed")
 
 
+def decision_outcomes(admin_ports: Sequence[int]) -> dict[str, float]:
+    """Requests our routers saw, by outcome (routed, pass_through, no_endpoint, error)."""
+    return _router_counts(admin_ports, "prefix_router_requests_total", "outcome")
+
+
+def _delta(after: dict[str, float], before: dict[str, float]) -> dict[str, int]:
+    return {
+        k: int(v - before.get(k, 0.0)) for k, v in sorted(after.items()) if v > before.get(k, 0.0)
+    }
+
+
 def cache_event_counts(admin_ports: Sequence[int]) -> dict[str, float]:
     """What our routers read of the servers' KV-cache events, by kind."""
     return _router_counts(admin_ports, "prefix_router_cache_events_total", "kind")
@@ -315,6 +326,7 @@ def measured_run(
     }
     before = {a: vllm_counters(a) for a in servers}
     rules_before = routing_rules(target.admin_ports)
+    outcomes_before = decision_outcomes(target.admin_ports)
     events_before = cache_event_counts(target.admin_ports)
     cpu_before = {name: tree_cpu_seconds(pid) for name, pid in pids.items()}
     total = chat.conversations * chat.turns if kind == "chat" else groups.groups * groups.questions
@@ -337,22 +349,17 @@ def measured_run(
     # A request is counted when its ext_proc stream ends, which can trail its response.
     deadline = time.monotonic() + 5.0
     while True:
-        rules = routing_rules(target.admin_ports)
-        counted = sum(rules.values()) - sum(rules_before.values())
+        outcomes = decision_outcomes(target.admin_ports)
+        counted = sum(outcomes.values()) - sum(outcomes_before.values())
         if not target.admin_ports or counted >= row["requests"] or time.monotonic() > deadline:
             break
         time.sleep(0.2)
-    row["rules"] = {
-        rule: int(count - rules_before.get(rule, 0.0))
-        for rule, count in sorted(rules.items())
-        if count > rules_before.get(rule, 0.0)
-    }
+    # Every request's outcome (a request not routed went to the fallback); rules: the
+    # routed ones' deciding rule.
+    row["outcomes"] = _delta(outcomes, outcomes_before)
+    row["rules"] = _delta(routing_rules(target.admin_ports), rules_before)
     events = cache_event_counts(target.admin_ports)
-    row["cache_events"] = {
-        kind: int(count - events_before.get(kind, 0.0))
-        for kind, count in sorted(events.items())
-        if count > events_before.get(kind, 0.0)
-    }
+    row["cache_events"] = _delta(events, events_before)
     n = max(1, row["requests"])
     net = {name: max(0.0, cpu[name] - idle_rate[name] * result.seconds) for name in pids}
     row["router_idle_cpu_ms_per_s"] = (
