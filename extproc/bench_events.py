@@ -190,11 +190,107 @@ def measure(
     }
 
 
+def backlog_stall(
+    size_kib: int, messages: int, vocabulary: _Vocabulary, translation: Translation
+) -> dict[str, float]:
+    """How long a decision can wait behind a backlog: ``messages`` messages, each a new
+    ``size_kib`` prompt's blocks, published at once on a real ZMQ socket (ipc://) to the
+    server's subscriber feeding a router, while a 1 ms ticker on the same event loop (a
+    stand-in for decisions) records how late it wakes."""
+    import asyncio
+    import tempfile
+
+    import msgspec
+    import zmq
+
+    from .cache_subscriber import CacheEventSubscriber
+    from .config import CacheEventsConfig, EndpointConfig
+    from .router import Router
+
+    rng = random.Random(size_kib)
+    template = template_environment().from_string(CHAT_TEMPLATE)
+    payloads = []
+    for k in range(messages):
+        content = "".join(" " + rng.choice(WORDS) for _ in range(size_kib * 1024 // 6))
+        rendered = template.render(
+            messages=[{"role": "user", "content": f"{k}{content}"}],
+            add_generation_prompt=True,
+            bos_token=BOS,
+        )
+        ids = vocabulary.encode(rendered)
+        event = stored_event(ids, 0, len(ids) // 16, 16)
+        event["block_hashes"] = [h + k * 10**7 for h in event["block_hashes"]]  # new chains
+        payloads.append(msgspec.msgpack.encode([0.0, [event], 0]))
+    endpoint = "127.0.0.1:8001"
+    router = Router(
+        RoutingConfig(block_size_bytes=translation.block_size, max_blocks=translation.max_blocks),
+        [EndpointConfig(address=endpoint)],
+    )
+
+    async def run() -> dict[str, float]:
+        directory = tempfile.mkdtemp(prefix="bench-events-")
+        config = CacheEventsConfig(
+            publisher=f"ipc://{directory}/kv-{{port}}.ipc",
+            topic="kv",
+            model_dir=directory,
+            model=translation.model,
+        )
+        handled: list[int] = []
+
+        def apply(address: str, changes: list[Any]) -> bool:
+            handled.append(1)
+            return router.observe_cache_events(address, changes)
+
+        subscriber = CacheEventSubscriber(config, translation, lambda: [endpoint], apply)
+        context = zmq.Context()
+        publisher = context.socket(zmq.PUB)
+        publisher.setsockopt(zmq.SNDHWM, 1_000_000)
+        publisher.bind(f"ipc://{directory}/kv-8001.ipc")
+        subscriber.start()
+        try:
+            cleared = msgspec.msgpack.encode([0.0, [{"type": "AllBlocksCleared"}], 0])
+            while not handled:  # a SUB socket joins late: until it hears one
+                publisher.send_multipart([b"kv", (0).to_bytes(8, "big"), cleared])
+                await asyncio.sleep(0.05)
+            before = len(handled)
+            for k, payload in enumerate(payloads, start=1):
+                publisher.send_multipart([b"kv", k.to_bytes(8, "big"), payload])
+            late, started = [], time.perf_counter()
+            while len(handled) < before + messages and time.perf_counter() - started < 120:
+                tick = time.perf_counter()
+                await asyncio.sleep(0.001)
+                late.append((time.perf_counter() - tick) * 1000 - 1.0)
+            took = time.perf_counter() - started
+        finally:
+            await subscriber.stop()
+            publisher.close(linger=0)
+            context.term()
+        late.sort()
+        return {
+            "prompt_kib": size_kib,
+            "messages": messages,
+            "handled_ms": took * 1000,
+            "ticks": len(late),
+            "late_p50_ms": statistics.median(late),
+            "late_max_ms": late[-1],
+        }
+
+    return asyncio.run(run())
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--sizes", default="8,32,128,512", help="prompt sizes in KiB")
     parser.add_argument("--vllm-block", type=int, default=16, help="vLLM block size (tokens)")
     parser.add_argument("--repeats", type=int, default=5, help="runs per size (median)")
     parser.add_argument("--json", dest="json_out", help="write the results here")
+    parser.add_argument(
+        "--backlog",
+        type=int,
+        default=0,
+        metavar="N",
+        help="also publish N messages of each size's prompt at once on a real ZMQ socket to "
+        "the server's subscriber, and report how late a 1 ms ticker on its event loop wakes",
+    )
     parser.add_argument(
         "--turns",
         type=int,
@@ -246,6 +342,22 @@ def run(args: argparse.Namespace) -> int:
             f"{row['reply_block_event_ms']:.2f} | {row['eviction_ms']:.2f} | "
             f"{row['table_bytes_per_block']:.0f} |"
         )
+    backlog = [
+        backlog_stall(int(size), args.backlog, vocabulary, translation)
+        for size in (args.sizes.split(",") if args.backlog else [])
+    ]
+    if backlog:
+        print(
+            f"\nA backlog of {args.backlog} messages (one new prompt each) through the "
+            "subscriber, with a 1 ms ticker on its event loop:"
+        )
+        print("| prompt KiB | handled in ms | ticks | ticker late p50 ms | max ms |")
+        print("|---:|---:|---:|---:|---:|")
+        for row in backlog:
+            print(
+                f"| {row['prompt_kib']} | {row['handled_ms']:.0f} | {row['ticks']} | "
+                f"{row['late_p50_ms']:.2f} | {row['late_max_ms']:.1f} |"
+            )
     if args.encode:
         print("\nTokenising instead, on the hot path (median ms to encode the prompt's text):")
         print("| prompt KiB | encode ms |\n|---:|---:|")
@@ -253,6 +365,6 @@ def run(args: argparse.Namespace) -> int:
             print(f"| {row['prompt_kib']} | {row['encode_ms']:.2f} |")
     if args.json_out:
         command = "prefix-router bench events " + " ".join(sys.argv[3:])
-        document = {"command": command, "rows": rows}
+        document = {"command": command, "rows": rows, "backlog": backlog}
         Path(args.json_out).write_text(json.dumps(document, indent=2) + "\n")
     return 0

@@ -38,6 +38,14 @@ def _sequence(frames: list[bytes]) -> int | None:
     return int.from_bytes(frames[1], "big") if len(frames) == 3 and len(frames[1]) == 8 else None
 
 
+async def _let_decisions_run() -> None:
+    """Yield to the event loop after each message. A socket with messages waiting returns
+    them without yielding, so a backlog (a burst, a replay) would otherwise be translated
+    in one go while decisions wait: 200 messages of 32 KiB prompts held the loop ~250 ms
+    (docs/benchmarks.md, "KV-cache events read by the server")."""
+    await asyncio.sleep(0)
+
+
 def publisher_address(template: str, endpoint: str) -> str:
     """The publisher of one endpoint: ``cache_events.publisher`` with its host and port."""
     host, port = parse_host_port(endpoint)
@@ -131,6 +139,7 @@ class CacheEventSubscriber:
                     # A late start or lost messages: what the endpoint still buffers, first.
                     expected = await self._replay(endpoint, expected, sequence)
                 expected = self.handle(endpoint, frames, expected)
+                await _let_decisions_run()
         finally:
             socket.close(linger=0)
 
@@ -150,6 +159,7 @@ class CacheEventSubscriber:
                 if sequence < stop and (expected is None or sequence >= expected):
                     expected = self.handle(endpoint, reply[1:], expected)
                     self._count(endpoint, "replayed_messages", 1)
+                    await _let_decisions_run()
         except TimeoutError:
             self._count(endpoint, "replay_timeouts", 1)
         finally:

@@ -417,6 +417,50 @@ async def test_the_subscriber_feeds_an_endpoints_published_events_to_the_router(
         context.term()
 
 
+async def test_a_backlog_of_messages_lets_decisions_run_between_them(
+    translation: Translation, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A ZMQ socket with messages waiting hands them over without yielding to the event
+    loop, so the subscriber yields after each one: a decision arriving during a backlog (a
+    burst, a replay) waits for one message's translation, not for all of them."""
+    messages = _first_turn()
+    prompt = _encode(_rendered(messages))
+    payload = msgspec.msgpack.encode([0.0, _events_of(prompt, len(prompt) // VLLM_BLOCK), 0])
+    backlog = [[b"kv", k.to_bytes(8, "big"), payload] for k in range(20)]
+
+    class WaitingSocket:  # what zmq.asyncio returns while messages are queued: done futures
+        def setsockopt(self, *_: object) -> None: ...
+        def connect(self, _: str) -> None: ...
+        def close(self, linger: int = 0) -> None: ...
+
+        def recv_multipart(self) -> asyncio.Future[list[bytes]]:
+            future = asyncio.get_running_loop().create_future()
+            if backlog:
+                future.set_result(backlog.pop(0))
+            return future  # then nothing more: pending until the test stops it
+
+    handled: list[int] = []
+    subscriber = CacheEventSubscriber(
+        CacheEventsConfig(publisher="ipc:///x-{port}", topic="kv", model_dir="x", model=MODEL),
+        translation,
+        lambda: ["127.0.0.1:8001"],
+        lambda endpoint, changes: handled.append(len(changes)) or True,
+    )
+    monkeypatch.setattr(subscriber, "_socket", lambda kind, address: WaitingSocket())
+    seen_by_a_decision: list[int] = []
+    subscriber.start()
+    try:
+        for _ in range(200):
+            seen_by_a_decision.append(len(handled))
+            await asyncio.sleep(0)
+            if len(handled) == 20:
+                break
+    finally:
+        await subscriber.stop()
+    assert len(handled) == 20
+    assert any(0 < n < 20 for n in seen_by_a_decision), seen_by_a_decision
+
+
 async def test_a_late_subscriber_asks_the_replay_socket_for_what_it_missed(
     tmp_path: Path, translation: Translation
 ) -> None:
@@ -512,15 +556,26 @@ def test_bench_events_prints_and_writes_its_table(
     from extproc import bench_events
 
     out = tmp_path / "events.json"
-    for turns in (1, 6):
+    for turns, backlog in ((1, 0), (6, 3)):
         args = argparse.Namespace(
-            sizes="2", vllm_block=16, repeats=1, json_out=str(out), encode=False, turns=turns
+            sizes="2",
+            vllm_block=16,
+            repeats=1,
+            json_out=str(out),
+            encode=False,
+            turns=turns,
+            backlog=backlog,
         )
         assert bench_events.run(args) == 0
         assert "| 2 |" in capsys.readouterr().out
-        row = json.loads(out.read_text())["rows"][0]
+        document = json.loads(out.read_text())
+        row = document["rows"][0]
         assert row["router_blocks"] > 0 and row["table_bytes_per_block"] > 0
         assert row["messages"] == turns + 1
+        # The backlog went through a real ZMQ socket and the subscriber, all of it.
+        assert [(b["messages"], b["ticks"] > 0) for b in document["backlog"]] == (
+            [(3, True)] if backlog else []
+        )
 
 
 def test_a_chain_that_starts_shorter_than_its_markup_still_translates_once_extended(
