@@ -41,8 +41,8 @@ def _sequence(frames: list[bytes]) -> int | None:
 async def _let_decisions_run() -> None:
     """Yield to the event loop after each message. A socket with messages waiting returns
     them without yielding, so a backlog (a burst, a replay) would otherwise be translated
-    in one go while decisions wait: 200 messages of 32 KiB prompts held the loop ~250 ms
-    (docs/benchmarks.md, "KV-cache events read by the server")."""
+    in one go while decisions wait: 100 messages of 32 KiB prompts held the loop ~135 ms
+    (`bench events --backlog`; docs/benchmarks.md, "KV-cache events read by the server")."""
     await asyncio.sleep(0)
 
 

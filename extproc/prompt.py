@@ -77,19 +77,15 @@ def _escape_each(contents: list[bytes]) -> list[bytes]:
     return contents
 
 
-def _frame_head(role: str) -> bytes:
+def frame_head(role: str) -> bytes:
+    """What precedes a message's content in the canonical bytes (\\x01 role \\x02)."""
     head = _HEADS.get(role)
     return head if head is not None else b"\x01" + _escape(role.encode()) + b"\x02"
 
 
 def _frame_parts(role: str, content: bytes) -> tuple[bytes, bytes]:
     """A message's frame but its closing \\x03: the head (\\x01 role \\x02), the body."""
-    return _frame_head(role), _escape(content)
-
-
-def frame_head(role: str) -> bytes:
-    """What precedes a message's content in the canonical bytes."""
-    return _frame_head(role)
+    return frame_head(role), _escape(content)
 
 
 def _frame(role: str, content: bytes) -> bytes:
@@ -107,7 +103,7 @@ def canonical_conversation_start(messages: list[tuple[str, bytes]]) -> tuple[byt
     at = 0
     bodies = _escape_each([content for _, content in messages])
     for (role, _), body in zip(messages, bodies, strict=True):
-        head = _frame_head(role)
+        head = frame_head(role)
         starts.append(at + len(head))
         chunks += (head, body, b"\x03")
         at += len(head) + len(body) + 1
@@ -166,7 +162,7 @@ def _conversation(preamble: list[bytes], messages: list[Any]) -> tuple[bytes, in
     parts = [_message_bytes(message) for message in messages]
     bodies = _escape_each([body for _, body in parts])
     framed = [
-        _frame_head(role) + body + b"\x03" for (role, _), body in zip(parts, bodies, strict=True)
+        frame_head(role) + body + b"\x03" for (role, _), body in zip(parts, bodies, strict=True)
     ]
     first_turn_end = preamble_end = 0
     first = next((k for k, (role, _) in enumerate(parts) if role not in _PREAMBLE_ROLES), None)
