@@ -136,12 +136,12 @@ STAGES = {
 }
 
 
-def profile(size: int, endpoints: int, requests: int) -> dict[str, float]:
+def profile(size: int, endpoints: int, requests: int, history: int = 1) -> dict[str, float]:
     """Share of each stage in ``requests`` decisions (cProfile, cumulative time)."""
     import cProfile
     import pstats
 
-    router, bodies = _warmed(size, endpoints, requests)
+    router, bodies = _warmed(size, endpoints, requests, history=history)
     profiler = cProfile.Profile()
     profiler.enable()
     for body in bodies[requests:]:
@@ -345,7 +345,7 @@ def run(args: argparse.Namespace) -> int:
     doc["rows"] = rows
     if args.profile:
         size, count = max(sizes), max(counts)
-        shares = profile(size, count, max(20, requests // 4))
+        shares = profile(size, count, max(20, requests // 4), args.history)
         doc["profile"] = {"body_bytes": size, "endpoints": count, "shares": shares}
         print(f"profile, {size // KIB} KiB x {count} endpoints (cProfile, share of a decision):")
         for stage, share in shares.items():
