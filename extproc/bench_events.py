@@ -235,13 +235,18 @@ def backlog_stall(
             model_dir=directory,
             model=translation.model,
         )
-        handled: list[int] = []
+        handled: list[int] = []  # one per message the subscriber finished
+        subscriber = CacheEventSubscriber(
+            config, translation, lambda: [endpoint], router.observe_cache_events
+        )
+        handle = subscriber.handle
 
-        def apply(address: str, changes: list[Any]) -> bool:
+        async def counted(*args: Any) -> int | None:
+            expected = await handle(*args)
             handled.append(1)
-            return router.observe_cache_events(address, changes)
+            return expected
 
-        subscriber = CacheEventSubscriber(config, translation, lambda: [endpoint], apply)
+        subscriber.handle = counted  # type: ignore[method-assign]
         context = zmq.Context()
         publisher = context.socket(zmq.PUB)
         publisher.setsockopt(zmq.SNDHWM, 1_000_000)

@@ -22,13 +22,16 @@ import numpy as np
 import zmq
 import zmq.asyncio
 
-from .cache_events import EMPTY, EndpointCacheEvents, Translation, decode_message
+from .cache_events import EMPTY, EndpointCacheEvents, Translation, decode_message, in_pieces
 from .config import CacheEventsConfig, parse_host_port
 
 log = logging.getLogger("extproc.cache_events")
 
 Changes = Sequence[tuple[bool | None, np.ndarray]]
 RECONCILE_SECONDS = 1.0
+# A stored chain longer than this is translated and applied in pieces of at most this many
+# tokens, with decisions let run between them (cache_events.in_pieces).
+PIECE_TOKENS = 8192
 REPLAY_TIMEOUT_SECONDS = 2.0
 RETRY_SECONDS = 5.0
 END_OF_REPLAY = (-1).to_bytes(8, "big", signed=True)  # vLLM's end-of-replay sequence
@@ -138,8 +141,7 @@ class CacheEventSubscriber:
                 if self.config.replay and sequence is not None and sequence > (expected or 0):
                     # A late start or lost messages: what the endpoint still buffers, first.
                     expected = await self._replay(endpoint, expected, sequence)
-                expected = self.handle(endpoint, frames, expected)
-                await _let_decisions_run()
+                expected = await self.handle(endpoint, frames, expected)
         finally:
             socket.close(linger=0)
 
@@ -157,9 +159,8 @@ class CacheEventSubscriber:
                     break
                 sequence = int.from_bytes(reply[2], "big")
                 if sequence < stop and (expected is None or sequence >= expected):
-                    expected = self.handle(endpoint, reply[1:], expected)
+                    expected = await self.handle(endpoint, reply[1:], expected)
                     self._count(endpoint, "replayed_messages", 1)
-                    await _let_decisions_run()
         except TimeoutError:
             self._count(endpoint, "replay_timeouts", 1)
         finally:
@@ -172,8 +173,10 @@ class CacheEventSubscriber:
             if self._on_count is not None:
                 self._on_count(endpoint, kind, n)
 
-    def handle(self, endpoint: str, frames: list[bytes], expected: int | None) -> int | None:
-        """One message: translated and applied; returns the sequence number expected next."""
+    async def handle(self, endpoint: str, frames: list[bytes], expected: int | None) -> int | None:
+        """One message: translated and applied, a long stored chain a piece at a time with
+        decisions let run after each piece (``in_pieces``) and after the message; returns
+        the sequence number expected next."""
         table = self.tables.get(endpoint)
         if table is None:
             return expected
@@ -189,16 +192,20 @@ class CacheEventSubscriber:
             self._count(endpoint, "restarts", 1)
             table.cleared()
             self._on_changes(endpoint, [(None, EMPTY)])
-        untranslated = table.untranslated
-        changes = table.apply(events)
-        self._count(endpoint, "untranslated_blocks", table.untranslated - untranslated)
-        if changes:
-            if self._on_changes(endpoint, changes):
+        ignored = False
+        for part in in_pieces(events, PIECE_TOKENS):
+            untranslated = table.untranslated
+            changes = table.apply(part)
+            self._count(endpoint, "untranslated_blocks", table.untranslated - untranslated)
+            if changes and self._on_changes(endpoint, changes):
                 for held, hashes in changes:
                     kind = (
                         "cleared" if held is None else "stored_blocks" if held else "removed_blocks"
                     )
                     self._count(endpoint, kind, 1 if held is None else len(hashes))
-            else:
-                self._count(endpoint, "ignored_messages", 1)
+            elif changes:
+                ignored = True
+            await _let_decisions_run()
+        if ignored:
+            self._count(endpoint, "ignored_messages", 1)
         return sequence + 1

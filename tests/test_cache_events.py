@@ -19,7 +19,7 @@ import pytest
 import zmq
 import zmq.asyncio
 
-from extproc import cache_events
+from extproc import cache_events, cache_subscriber
 from extproc.bench_events import stored_event
 from extproc.cache_events import (
     ChatLayout,
@@ -190,6 +190,32 @@ def test_a_long_conversation_with_every_role_translates_exactly(
         expected = _router_hashes([*messages, {"role": "assistant", "content": replies[-1]}])
         assert table.untranslated == 0 and len(announced) >= len(expected) - 1 > 70
         assert announced == expected[: len(announced)].tolist()
+
+
+def test_a_long_chain_applied_in_pieces_translates_as_it_does_whole(
+    translation: Translation,
+) -> None:
+    """The subscriber applies a long stored chain in pieces (decisions run between them):
+    the same router hashes, the same table, as the whole event; other events unsplit."""
+    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": QUESTION * 8}]
+    prompt = _encode(_rendered(messages))
+    event = stored_event(prompt, 0, len(prompt) // VLLM_BLOCK, VLLM_BLOCK)
+    event["extra_keys"] = [None] * len(event["block_hashes"])  # type: ignore[arg-type]
+    other = {"type": "BlockRemoved", "block_hashes": [10**9]}
+    parts = cache_events.in_pieces([other, event, "junk", other], piece_tokens=5 * VLLM_BLOCK)
+    assert parts[0] == [other] and parts[-1] == ["junk", other] and len(parts) > 10
+    pieces = [p for part in parts[1:-1] for p in part]
+    assert [h for p in pieces for h in p["block_hashes"]] == event["block_hashes"]
+    assert all(len(p["block_hashes"]) <= 5 for p in pieces)
+    assert [p["parent_block_hash"] for p in pieces[1:]] == [
+        p["block_hashes"][-1] for p in pieces[:-1]
+    ]
+    whole, in_parts = EndpointCacheEvents(translation), EndpointCacheEvents(translation)
+    expected = [h for _, hs in whole.apply([event]) for h in hs]
+    got = [h for part in parts for _, hs in in_parts.apply(part) for h in hs]
+    assert got == expected and len(got) > 20 and in_parts.untranslated == 0
+    assert len(in_parts) == len(whole)
+    assert cache_events.in_pieces([event], piece_tokens=10**6) == [[event]]
 
 
 def test_token_ids_the_vocabulary_lacks_decode_to_nothing() -> None:
@@ -417,16 +443,21 @@ async def test_the_subscriber_feeds_an_endpoints_published_events_to_the_router(
         context.term()
 
 
-async def test_a_backlog_of_messages_lets_decisions_run_between_them(
-    translation: Translation, monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize("shape", ["a backlog of messages", "one long chain"])
+async def test_decisions_run_between_messages_and_between_pieces_of_one(
+    translation: Translation, monkeypatch: pytest.MonkeyPatch, shape: str
 ) -> None:
     """A ZMQ socket with messages waiting hands them over without yielding to the event
-    loop, so the subscriber yields after each one: a decision arriving during a backlog (a
-    burst, a replay) waits for one message's translation, not for all of them."""
+    loop, so the subscriber yields after each message, and after each piece of a long
+    stored chain: a decision arriving during a backlog (a burst, a replay) or a long
+    prompt's event waits for one piece's translation, not for all of it."""
     messages = _first_turn()
     prompt = _encode(_rendered(messages))
     payload = msgspec.msgpack.encode([0.0, _events_of(prompt, len(prompt) // VLLM_BLOCK), 0])
-    backlog = [[b"kv", k.to_bytes(8, "big"), payload] for k in range(20)]
+    count = 20 if shape == "a backlog of messages" else 1
+    backlog = [[b"kv", k.to_bytes(8, "big"), payload] for k in range(count)]
+    if shape == "one long chain":  # its ~600 tokens in pieces of 80
+        monkeypatch.setattr(cache_subscriber, "PIECE_TOKENS", 5 * VLLM_BLOCK)
 
     class WaitingSocket:  # what zmq.asyncio returns while messages are queued: done futures
         def setsockopt(self, *_: object) -> None: ...
@@ -450,15 +481,20 @@ async def test_a_backlog_of_messages_lets_decisions_run_between_them(
     seen_by_a_decision: list[int] = []
     subscriber.start()
     try:
-        for _ in range(200):
+        for _ in range(300):
             seen_by_a_decision.append(len(handled))
             await asyncio.sleep(0)
-            if len(handled) == 20:
-                break
     finally:
         await subscriber.stop()
-    assert len(handled) == 20
-    assert any(0 < n < 20 for n in seen_by_a_decision), seen_by_a_decision
+    assert len(handled) >= 5 and subscriber.counts["127.0.0.1:8001", "untranslated_blocks"] == 0
+    assert any(0 < n < len(handled) for n in seen_by_a_decision), seen_by_a_decision
+    stored = subscriber.counts["127.0.0.1:8001", "stored_blocks"]
+    assert stored == count * sum(
+        len(h)
+        for _, h in EndpointCacheEvents(translation).apply(
+            _events_of(prompt, len(prompt) // VLLM_BLOCK)
+        )
+    )
 
 
 async def test_a_late_subscriber_asks_the_replay_socket_for_what_it_missed(
