@@ -283,11 +283,52 @@ def backlog_stall(
     return asyncio.run(run())
 
 
+def full_collection_ms(blocks: int, vocabulary: _Vocabulary, translation: Translation) -> float:
+    """What a full garbage collection costs with an endpoint's table holding ``blocks``
+    announced blocks (32 KiB prompts, each a new chain): a pause every decision waits out,
+    which grows with what the collector tracks (median of three ``gc.collect()``)."""
+    import gc
+
+    rng = random.Random(blocks)
+    content = "".join(" " + rng.choice(WORDS) for _ in range(32 * 1024 // 6))
+    rendered = (
+        template_environment()
+        .from_string(CHAT_TEMPLATE)
+        .render(
+            messages=[{"role": "user", "content": content}],
+            add_generation_prompt=True,
+            bos_token=BOS,
+        )
+    )
+    ids = vocabulary.encode(rendered)
+    event = stored_event(ids, 0, len(ids) // 16, 16)
+    table = EndpointCacheEvents(translation, max_table_blocks=blocks)
+    k = 0
+    while len(table) < blocks:
+        k += 1
+        table.apply([event | {"block_hashes": [h + k * 10**7 for h in event["block_hashes"]]}])
+        if not len(table):
+            raise RuntimeError("bench events --gc-blocks: the prompt did not translate")
+    times = []
+    for _ in range(3):
+        started = time.perf_counter()
+        gc.collect()
+        times.append((time.perf_counter() - started) * 1000)
+    return statistics.median(times)
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--sizes", default="8,32,128,512", help="prompt sizes in KiB")
     parser.add_argument("--vllm-block", type=int, default=16, help="vLLM block size (tokens)")
     parser.add_argument("--repeats", type=int, default=5, help="runs per size (median)")
     parser.add_argument("--json", dest="json_out", help="write the results here")
+    parser.add_argument(
+        "--gc-blocks",
+        type=int,
+        default=0,
+        metavar="N",
+        help="also time a full garbage collection with an endpoint's table holding N blocks",
+    )
     parser.add_argument(
         "--backlog",
         type=int,
@@ -363,6 +404,14 @@ def run(args: argparse.Namespace) -> int:
                 f"| {row['prompt_kib']} | {row['handled_ms']:.0f} | {row['ticks']} | "
                 f"{row['late_p50_ms']:.2f} | {row['late_max_ms']:.1f} |"
             )
+    collection = (
+        full_collection_ms(args.gc_blocks, vocabulary, translation) if args.gc_blocks else None
+    )
+    if collection is not None:
+        print(
+            f"\nA full garbage collection with {args.gc_blocks:,} blocks in the table: "
+            f"{collection:.1f} ms (median of 3)"
+        )
     if args.encode:
         print("\nTokenising instead, on the hot path (median ms to encode the prompt's text):")
         print("| prompt KiB | encode ms |\n|---:|---:|")
@@ -371,5 +420,7 @@ def run(args: argparse.Namespace) -> int:
     if args.json_out:
         command = "prefix-router bench events " + " ".join(sys.argv[3:])
         document = {"command": command, "rows": rows, "backlog": backlog}
+        if collection is not None:
+            document["full_collection"] = {"blocks": args.gc_blocks, "ms": collection}
         Path(args.json_out).write_text(json.dumps(document, indent=2) + "\n")
     return 0

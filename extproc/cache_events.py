@@ -316,13 +316,15 @@ class _Tip(NamedTuple):
         return len(self.text) + len(self.parsed.canonical)
 
 
-class _Block(NamedTuple):
-    """One announced block (~0.4 KiB with its text: bench events' memory line)."""
-
-    parent: int | None
-    text: bytes
-    router_end: int  # router blocks held once this block is: the chain's first router_end hashes
-    hashes: bytes  # the router hashes it added (uint64), as bytes: an array costs ~100 B more
+# One announced block (~0.4 KiB with its text: bench events' memory line), a plain tuple:
+# the garbage collector stops tracking a tuple of ints and bytes, not a NamedTuple, and a
+# table of a million tracked blocks made every full collection take ~110 ms (~5 ms
+# untracked), a pause decisions wait out. Fields, by index:
+_PARENT = 0  # int | None: the parent block's vLLM hash
+_TEXT = 1  # bytes: its tokens' text
+_ROUTER_END = 2  # router blocks held once it is: the chain's first _ROUTER_END hashes
+_HASHES = 3  # bytes: the router hashes it added (uint64; an array costs ~100 B more)
+_Block = tuple[int | None, bytes, int, bytes]
 
 
 @dataclass(frozen=True)
@@ -379,7 +381,7 @@ class EndpointCacheEvents:
         if parent is None and extra_keys and any(k is not None for k in extra_keys):
             return self._untranslated(block_hashes_)  # salted or multimodal
         texts = self.tokens.decode_blocks(token_ids, block_size, len(block_hashes_))
-        start_end = above.router_end if above is not None else 0
+        start_end = above[_ROUTER_END] if above is not None else 0
         if start_end >= self.max_blocks:  # past the hash window: nothing new to learn
             return self._remember(
                 block_hashes_, parent, texts, [start_end] * len(texts), EMPTY, start_end
@@ -421,8 +423,8 @@ class EndpointCacheEvents:
             known = self._blocks.get(block)
             if known is None:
                 return None
-            pieces.append(known.text)
-            block = known.parent
+            pieces.append(known[_TEXT])
+            block = known[_PARENT]
         return b"".join(reversed(pieces))
 
     def _take_tip(self, block: int | None) -> _Tip | None:
@@ -451,7 +453,7 @@ class EndpointCacheEvents:
         for vllm_hash, piece, end in zip(block_hashes_, texts, ends, strict=True):
             added = packed[(previous - start_end) * 8 : (end - start_end) * 8]
             self._blocks.pop(vllm_hash, None)  # stored again: now the newest
-            self._blocks[vllm_hash] = _Block(parent, piece, end, added)
+            self._blocks[vllm_hash] = (parent, piece, end, added)
             parent, previous = vllm_hash, max(previous, end)
         # Evictions missed (a gap no replay filled) would leave blocks here for good: past
         # the cap, the longest-stored go (their extensions then no longer translate).
@@ -468,7 +470,7 @@ class EndpointCacheEvents:
         for block in block_hashes_:
             self._take_tip(block)
         added = b"".join(
-            b.hashes for h in block_hashes_ if (b := self._blocks.pop(h, None)) is not None
+            b[_HASHES] for h in block_hashes_ if (b := self._blocks.pop(h, None)) is not None
         )
         return np.frombuffer(added, dtype=np.uint64).copy() if added else EMPTY
 

@@ -218,6 +218,18 @@ def test_a_long_chain_applied_in_pieces_translates_as_it_does_whole(
     assert cache_events.in_pieces([event], piece_tokens=10**6) == [[event]]
 
 
+def test_the_garbage_collector_stops_tracking_announced_blocks(translation: Translation) -> None:
+    """A full collection walks every tracked object while decisions wait: an endpoint's
+    table (up to a million blocks) must not be part of that walk."""
+    import gc
+
+    prompt = _encode(_rendered(_first_turn()))
+    table = EndpointCacheEvents(translation)
+    table.apply(_events_of(prompt, len(prompt) // VLLM_BLOCK))
+    gc.collect()
+    assert len(table) > 10 and not any(gc.is_tracked(b) for b in table._blocks.values())
+
+
 def test_token_ids_the_vocabulary_lacks_decode_to_nothing() -> None:
     tokens = TokenBytes([b"a", b"b"])
     assert tokens.decode_blocks([0, 1, 1, 0], 2, 2) == [b"ab", b"ba"]
@@ -601,6 +613,7 @@ def test_bench_events_prints_and_writes_its_table(
             encode=False,
             turns=turns,
             backlog=backlog,
+            gc_blocks=backlog * 100,
         )
         assert bench_events.run(args) == 0
         assert "| 2 |" in capsys.readouterr().out
@@ -612,6 +625,7 @@ def test_bench_events_prints_and_writes_its_table(
         assert [(b["messages"], b["ticks"] > 0) for b in document["backlog"]] == (
             [(3, True)] if backlog else []
         )
+        assert ("full_collection" in document) == bool(backlog)
 
 
 def test_a_chain_that_starts_shorter_than_its_markup_still_translates_once_extended(
