@@ -316,9 +316,9 @@ class _Tip(NamedTuple):
         return len(self.text) + len(self.parsed.canonical)
 
 
-# One announced block (~0.4 KiB with its text: bench events' memory line), a plain tuple:
+# One announced block (~0.3 KiB with its text: bench events' memory line), a plain tuple:
 # the garbage collector stops tracking a tuple of ints and bytes, not a NamedTuple, and a
-# table of a million tracked blocks made every full collection take ~110 ms (~5 ms
+# table of a million tracked blocks made every full collection take ~170 ms (~13 ms
 # untracked), a pause decisions wait out. Fields, by index:
 _PARENT = 0  # int | None: the parent block's vLLM hash
 _TEXT = 1  # bytes: its tokens' text
