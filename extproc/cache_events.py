@@ -35,7 +35,7 @@ from .prompt import canonical_conversation_start, frame_head
 
 ROLES = ("system", "user", "assistant")
 TIP_BYTES = 32 * 1024 * 1024  # per endpoint: the text of the chains being extended
-MAX_TABLE_BLOCKS = 1_000_000  # per endpoint (~0.35 KiB each): 16M tokens in 16-token blocks
+MAX_TABLE_BLOCKS = 1_000_000  # per endpoint (~0.3 KiB each): 16M tokens in 16-token blocks
 _SENTINEL = "Zq7Xv{}Qw9Jk"  # probe content: survives templates, never in a real prompt
 
 
@@ -517,20 +517,16 @@ def in_pieces(events: list[Any], piece_tokens: int) -> list[list[Any]]:
     announces a prompt prefilled in chunks), so that decisions can run between pieces: one
     long prompt's event held the event loop ~13 ms at 512 KiB (bench events). The
     translation is the same (tests)."""
-    out: list[list[Any]] = [[]]
+    parts: list[list[Any]] = []
+    together: list[Any] = []  # events applied as one part, as they came
     for event in events:
-        hashes = event.get("block_hashes") if isinstance(event, dict) else None
-        size = event.get("block_size") if isinstance(event, dict) else None
-        if (
-            not isinstance(event, dict)
-            or event.get("type") != "BlockStored"
-            or not isinstance(hashes, list)
-            or not isinstance(size, int)
-            or size <= 0
-            or len(hashes) * size <= piece_tokens
-        ):
-            out[-1].append(event)
+        if not _longer_chain(event, piece_tokens):
+            together.append(event)
             continue
+        if together:
+            parts.append(together)
+            together = []
+        hashes, size = event["block_hashes"], event["block_size"]
         step = max(1, piece_tokens // size)
         tokens, keys = event.get("token_ids") or [], event.get("extra_keys")
         for start in range(0, len(hashes), step):
@@ -541,24 +537,43 @@ def in_pieces(events: list[Any], piece_tokens: int) -> list[list[Any]]:
                 piece["parent_block_hash"] = hashes[start - 1]
             if isinstance(keys, list):
                 piece["extra_keys"] = keys[start : start + step]
-            if out[-1]:
-                out.append([])
-            out[-1].append(piece)
-        out.append([])
-    return [part for part in out if part]
+            parts.append([piece])
+    if together:
+        parts.append(together)
+    return parts
+
+
+def _longer_chain(event: Any, tokens: int) -> bool:
+    """A well-formed BlockStored of more than ``tokens`` tokens."""
+    if not isinstance(event, dict) or event.get("type") != "BlockStored":
+        return False
+    hashes, size = event.get("block_hashes"), event.get("block_size")
+    return (
+        isinstance(hashes, list)
+        and isinstance(size, int)
+        and size > 0
+        and len(hashes) * size > tokens
+    )
+
+
+def message_sequence(frames: list[bytes]) -> int | None:
+    """A vLLM KV-event message's sequence number: frames [topic, 8-byte big-endian
+    sequence, msgpack payload]; None when the frames are not of that shape."""
+    return int.from_bytes(frames[1], "big") if len(frames) == 3 and len(frames[1]) == 8 else None
 
 
 def decode_message(frames: list[bytes]) -> tuple[int, list[Any]]:
-    """A vLLM KV-event message: frames [topic, 8-byte big-endian sequence, msgpack payload
-    ``[timestamp, events, data_parallel_rank]``] -> (sequence, events as maps)."""
+    """A vLLM KV-event message (``message_sequence``'s frames, the payload
+    ``[timestamp, events, data_parallel_rank]``) -> (sequence, events as maps)."""
     import msgspec
 
-    if len(frames) != 3 or len(frames[1]) != 8:
+    sequence = message_sequence(frames)
+    if sequence is None:
         raise ValueError(f"not a KV-event message: {len(frames)} frames")
     payload = msgspec.msgpack.decode(frames[2])
     if not isinstance(payload, list) or len(payload) < 2 or not isinstance(payload[1], list):
         raise ValueError("KV-event payload is not [timestamp, events, ...]")
-    return int.from_bytes(frames[1], "big"), payload[1]
+    return sequence, payload[1]
 
 
 def load_translation(path: str | Path, model: str, block_size: int, max_blocks: int) -> Translation:

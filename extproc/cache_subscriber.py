@@ -3,7 +3,8 @@
 One ZMQ SUB socket per endpoint (vLLM publishes on a PUB socket it binds), read on the
 event loop (zmq.asyncio) and reconciled with the endpoint set every second, as discovery
 adds and removes endpoints. A message's events are translated (cache_events.py) and handed
-to the router at once; a malformed message is counted and skipped. A gap in the sequence
+to the router, a long stored chain a piece at a time (``in_pieces``), with decisions let run
+after each; a malformed message is counted and skipped. A gap in the sequence
 numbers (messages a slow subscriber lost, or all those before a late start) is asked for on
 the endpoint's replay socket when one is configured (vLLM keeps its last 10,000 messages),
 else counted: what it missed, the index then learns only from the router's own records and
@@ -22,7 +23,14 @@ import numpy as np
 import zmq
 import zmq.asyncio
 
-from .cache_events import EMPTY, EndpointCacheEvents, Translation, decode_message, in_pieces
+from .cache_events import (
+    EMPTY,
+    EndpointCacheEvents,
+    Translation,
+    decode_message,
+    in_pieces,
+    message_sequence,
+)
 from .config import CacheEventsConfig, parse_host_port
 
 log = logging.getLogger("extproc.cache_events")
@@ -37,14 +45,10 @@ RETRY_SECONDS = 5.0
 END_OF_REPLAY = (-1).to_bytes(8, "big", signed=True)  # vLLM's end-of-replay sequence
 
 
-def _sequence(frames: list[bytes]) -> int | None:
-    return int.from_bytes(frames[1], "big") if len(frames) == 3 and len(frames[1]) == 8 else None
-
-
 async def _let_decisions_run() -> None:
-    """Yield to the event loop after each message. A socket with messages waiting returns
-    them without yielding, so a backlog (a burst, a replay) would otherwise be translated
-    in one go while decisions wait: 100 messages of 32 KiB prompts held the loop ~135 ms
+    """Yield to the event loop after each message or piece of one. A socket with messages
+    waiting returns them without yielding, so a backlog (a burst, a replay) would otherwise
+    be translated in one go while decisions wait: 100 messages of 32 KiB prompts held the loop ~135 ms
     (`bench events --backlog`; docs/benchmarks.md, "KV-cache events read by the server")."""
     await asyncio.sleep(0)
 
@@ -137,7 +141,7 @@ class CacheEventSubscriber:
             expected: int | None = None
             while True:
                 frames = await socket.recv_multipart()
-                sequence = _sequence(frames)
+                sequence = message_sequence(frames)
                 if self.config.replay and sequence is not None and sequence > (expected or 0):
                     # A late start or lost messages: what the endpoint still buffers, first.
                     expected = await self._replay(endpoint, expected, sequence)
