@@ -119,6 +119,26 @@ def _events(ids: list[int], first: int, last: int, block: int) -> list[dict[str,
     return [stored_event(ids, first, last, block)]
 
 
+def _user_prompt_event(vocabulary: _Vocabulary, content: str) -> dict[str, Any]:
+    """One user message's prompt, rendered by the fixture's template, stored whole."""
+    rendered = (
+        template_environment()
+        .from_string(CHAT_TEMPLATE)
+        .render(
+            messages=[{"role": "user", "content": content}],
+            add_generation_prompt=True,
+            bos_token=BOS,
+        )
+    )
+    ids = vocabulary.encode(rendered)
+    return stored_event(ids, 0, len(ids) // 16, 16)
+
+
+def _as_new_chain(event: dict[str, Any], k: int) -> dict[str, Any]:
+    """The same blocks under other vLLM hashes: another chain to the table."""
+    return event | {"block_hashes": [h + k * 10**7 for h in event["block_hashes"]]}
+
+
 def measure(
     size_kib: int,
     vocabulary: _Vocabulary,
@@ -208,18 +228,10 @@ def backlog_stall(
     from .router import Router
 
     rng = random.Random(size_kib)
-    template = template_environment().from_string(CHAT_TEMPLATE)
     payloads = []
     for k in range(messages):
         content = "".join(" " + rng.choice(WORDS) for _ in range(size_kib * 1024 // 6))
-        rendered = template.render(
-            messages=[{"role": "user", "content": f"{k}{content}"}],
-            add_generation_prompt=True,
-            bos_token=BOS,
-        )
-        ids = vocabulary.encode(rendered)
-        event = stored_event(ids, 0, len(ids) // 16, 16)
-        event["block_hashes"] = [h + k * 10**7 for h in event["block_hashes"]]  # new chains
+        event = _as_new_chain(_user_prompt_event(vocabulary, f"{k}{content}"), k)
         payloads.append(msgspec.msgpack.encode([0.0, [event], 0]))
     endpoint = "127.0.0.1:8001"
     router = Router(
@@ -291,22 +303,12 @@ def full_collection_ms(blocks: int, vocabulary: _Vocabulary, translation: Transl
 
     rng = random.Random(blocks)
     content = "".join(" " + rng.choice(WORDS) for _ in range(32 * 1024 // 6))
-    rendered = (
-        template_environment()
-        .from_string(CHAT_TEMPLATE)
-        .render(
-            messages=[{"role": "user", "content": content}],
-            add_generation_prompt=True,
-            bos_token=BOS,
-        )
-    )
-    ids = vocabulary.encode(rendered)
-    event = stored_event(ids, 0, len(ids) // 16, 16)
+    event = _user_prompt_event(vocabulary, content)
     table = EndpointCacheEvents(translation, max_table_blocks=blocks)
     k = 0
     while len(table) < blocks:
         k += 1
-        table.apply([event | {"block_hashes": [h + k * 10**7 for h in event["block_hashes"]]}])
+        table.apply([_as_new_chain(event, k)])
         if not len(table):
             raise RuntimeError("bench events --gc-blocks: the prompt did not translate")
     times = []
