@@ -276,6 +276,50 @@ def metrics_parse(page: Path, rounds: int = 5, repeat: int = 50) -> dict[str, An
     return {"page": str(page), "lines": len(text.splitlines()), "bytes": len(text), **timings}
 
 
+def _full_collections_ms(rounds: int) -> list[float]:
+    times = []
+    for _ in range(rounds):
+        start = time.perf_counter()
+        gc.collect()
+        times.append(round((time.perf_counter() - start) * 1000, 2))
+    return times
+
+
+def collector_pause(rounds: int = 5) -> dict[str, Any]:
+    """A full garbage collection in a started router service (built as ``serve`` builds it,
+    gRPC on a loopback port, two endpoints), before and after serve.freeze_start_up_heap:
+    what a decision waits when the collector's oldest generation comes due."""
+    import asyncio
+
+    from .config import load_config
+    from .serve import RouterService, freeze_start_up_heap
+
+    async def measure() -> dict[str, Any]:
+        config = load_config(
+            None, {"server.listen": "127.0.0.1:0", "endpoints": "127.0.0.1:9,127.0.0.1:10"}
+        )
+        service = RouterService(config, None, serve_admin=False)
+        await service.start()
+        try:
+            before = _full_collections_ms(rounds)
+            tracked = len(gc.get_objects())
+            frozen = freeze_start_up_heap()
+            after = _full_collections_ms(rounds)
+            tracked_after = len(gc.get_objects())
+        finally:
+            gc.unfreeze()
+            await service.stop(grace=0.1, notice=0)
+        return {
+            "tracked_objects": tracked,
+            "frozen_objects": frozen,
+            "tracked_after_freeze": tracked_after,
+            "full_collection_ms": before,
+            "full_collection_frozen_ms": after,
+        }
+
+    return asyncio.run(measure())
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--sizes", default="2,32,1024", help="body sizes in KiB")
     parser.add_argument("--endpoints", default="4,64,512", help="endpoint counts")
@@ -314,6 +358,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=Path,
         help="also time parsing this /metrics page (filtered, and whole as before), e.g. "
         "tests/data/vllm-0.32.0-metrics.txt",
+    )
+    parser.add_argument(
+        "--collector",
+        action="store_true",
+        help="also time a full garbage collection in a started router service, before and "
+        "after its start-up heap is frozen (as serve does)",
     )
     parser.add_argument("--json", metavar="FILE")
 
@@ -378,6 +428,18 @@ def run(args: argparse.Namespace) -> int:
         print(f"/metrics page {parsed['page']} ({parsed['lines']} lines, five alternating rounds):")
         print(f"  parse_metrics (read samples only) ms: {parsed['filtered_ms']}")
         print(f"  whole page, prometheus_client     ms: {parsed['whole_page_ms']}")
+    if args.collector:
+        pause = collector_pause()
+        doc["collector"] = pause
+        print(
+            f"full garbage collection in a started router service, "
+            f"{pause['tracked_objects']:,} objects tracked:"
+        )
+        print(f"  as started           ms: {pause['full_collection_ms']}")
+        print(
+            f"  start-up heap frozen ms: {pause['full_collection_frozen_ms']} "
+            f"({pause['frozen_objects']:,} frozen, {pause['tracked_after_freeze']:,} left)"
+        )
     if args.json:
         Path(args.json).write_text(json.dumps(doc, indent=2))
     return 0

@@ -30,6 +30,7 @@ def test_bench_core_short(tmp_path):
                 "--peer-placements",
                 "--metrics-page",
                 str(METRICS_PAGE),
+                "--collector",
                 "--json",
                 str(out),
             ]
@@ -37,6 +38,9 @@ def test_bench_core_short(tmp_path):
         == 0
     )
     doc = json.loads(out.read_text())
+    collector = doc["collector"]
+    assert collector["frozen_objects"] >= 1000 and len(collector["full_collection_ms"]) == 5
+    assert collector["tracked_after_freeze"] < collector["tracked_objects"] // 10
     parsed = doc["metrics_parse"]
     assert (
         parsed["lines"] == 614 and len(parsed["filtered_ms"]) == len(parsed["whole_page_ms"]) == 5

@@ -5,6 +5,7 @@ restarts under load lose no request through Envoy.
 
 from __future__ import annotations
 
+import re
 import signal
 import threading
 import time
@@ -106,6 +107,8 @@ def test_sigterm_turns_not_ready_then_drains_in_flight_streams(replicas):
         channel.close()
         log = router.log_path.read_text()
         assert "drained, exiting" in log
+        # Start-up's heap was frozen once serving (serve.freeze_start_up_heap).
+        assert re.search(r"; [1-9][0-9]{3,} start-up objects frozen", log), log
         report(
             "sigterm_drain",
             not_ready_after_s=round(not_ready_after, 3),
