@@ -11,10 +11,14 @@ layout, learnt at start-up by rendering probe conversations, splits that text ba
 messages, and their canonical bytes hash as a request carrying those messages would.
 vLLM's own hashes serve only as ids, for parent links and removals.
 
+A chain whose text is not a chat the template rendered is a completions prompt: its text,
+after the special tokens the tokeniser puts first (a BOS), is the router's bytes as they are.
+
 What does not translate is only not learnt (no harm to routing): tokenisers that are not
 byte-level BPE (rejected at start-up), templates whose messages cannot be told apart
 (rejected), content the template changes (trimmed whitespace, joined parts), tools, salted
-or multimodal prompts (their blocks carry extra keys), the completions API.
+or multimodal prompts (their blocks carry extra keys), completions sent as token ids or
+already in the template's markup.
 """
 
 from __future__ import annotations
@@ -54,10 +58,16 @@ def byte_level_alphabet() -> dict[int, str]:
 
 
 class TokenBytes:
-    """Each token id's bytes, from a Hugging Face ``tokenizer.json`` (byte-level BPE only)."""
+    """Each token id's bytes, from a Hugging Face ``tokenizer.json`` (byte-level BPE only).
 
-    def __init__(self, table: list[bytes]) -> None:
+    ``single_prefix``: what the tokeniser's post-processor puts before a text it encodes
+    alone (Llama 3's ``<|begin_of_text|>``; b"": nothing), which a completions prompt then
+    starts with in vLLM's tokens; None: a post-processor this cannot read (completions are
+    then not learnt)."""
+
+    def __init__(self, table: list[bytes], single_prefix: bytes | None = b"") -> None:
         self._table = table
+        self.single_prefix = single_prefix
 
     @classmethod
     def from_file(cls, path: str | Path) -> TokenBytes:
@@ -90,7 +100,8 @@ class TokenBytes:
         for added in spec.get("added_tokens", []):
             table[added["id"]] = added["content"].encode()
         size = max(table) + 1
-        return cls([table.get(i, b"") for i in range(size)])
+        tokens = [table.get(i, b"") for i in range(size)]
+        return cls(tokens, _single_prefix(spec.get("post_processor"), tokens))
 
     def decode(self, token_ids: list[int]) -> bytes:
         return b"".join(self._pieces(token_ids))
@@ -109,6 +120,35 @@ class TokenBytes:
             except IndexError:
                 pass
         return [table[t] if 0 <= t < len(table) else b"" for t in token_ids]
+
+
+def _single_prefix(processor: Any, table: list[bytes]) -> bytes | None:
+    """The bytes of the special tokens a ``tokenizer.json`` post-processor puts before a
+    single sequence (TemplateProcessing's ``single``, in a Sequence or alone; ByteLevel adds
+    none); None for any other post-processor. Tokens it puts after the sequence (an EOS)
+    only end a completion's last block, whose hashes then meet nothing."""
+    if not processor:
+        return b""
+    kind = processor.get("type") if isinstance(processor, dict) else None
+    if kind == "ByteLevel":
+        return b""
+    if kind == "Sequence":
+        parts = [_single_prefix(p, table) for p in processor.get("processors") or []]
+        return None if any(p is None for p in parts) else b"".join(parts)  # type: ignore[arg-type]
+    if kind != "TemplateProcessing":
+        return None
+    prefix = b""
+    for piece in processor.get("single") or []:
+        if "Sequence" in piece:
+            return prefix
+        name = (piece.get("SpecialToken") or {}).get("id")
+        ids = ((processor.get("special_tokens") or {}).get(name) or {}).get("ids")
+        if not isinstance(ids, list) or not all(
+            isinstance(i, int) and 0 <= i < len(table) for i in ids
+        ):
+            return None
+        prefix += b"".join(table[i] for i in ids)
+    return None  # no sequence: not a template for text
 
 
 def template_environment() -> Any:
@@ -276,8 +316,21 @@ class ChatLayout:
         return Parsed(base + tail, segments, start, role, closed)
 
 
+COMPLETION = "completion"  # Parsed.open_role of a completions prompt's text
+
+
+def completion_parse(text: bytes, prefix: bytes | None) -> Parsed | None:
+    """A completions prompt (its text after the tokeniser's ``prefix``, e.g. a BOS) in the
+    router's bytes, which are the prompt's text itself (prompt.py); None: not one."""
+    if prefix is None or not text.startswith(prefix):
+        return None
+    start = len(prefix)
+    return Parsed(text[start:], [(start, 0, len(text) - start)], start, COMPLETION, 0)
+
+
 class Parsed(NamedTuple):
-    """A rendered chat's start in canonical bytes (ChatLayout.canonical)."""
+    """A rendered chat's start in canonical bytes (ChatLayout.canonical), or a completions
+    prompt's (completion_parse)."""
 
     canonical: bytes
     # Each message's content read by this parse: (text start, canonical start, length), to
@@ -348,6 +401,7 @@ class EndpointCacheEvents:
         max_table_blocks: int = MAX_TABLE_BLOCKS,
     ) -> None:
         self.tokens, self.layout = translation.tokens, translation.layout
+        self.completion_prefix = translation.tokens.single_prefix
         self.model = translation.model
         self.block_size, self.max_blocks = translation.block_size, translation.max_blocks
         self._blocks: dict[int, _Block] = {}
@@ -395,7 +449,7 @@ class EndpointCacheEvents:
             if prefix is None:
                 return self._untranslated(block_hashes_)
         text = prefix + b"".join(texts)
-        parsed = self.layout.canonical(text, after)
+        parsed = self._parse(text, after)
         if parsed is None:
             return self._untranslated(block_hashes_)
         canonical, segments = parsed.canonical, parsed.segments
@@ -415,6 +469,18 @@ class EndpointCacheEvents:
         last_hash = int(hashes[last - 1]) if last else previous
         self._keep_tip(block_hashes_[-1], _Tip(text, last_hash, parsed))
         return self._remember(block_hashes_, parent, texts, ends, hashes, start_end)
+
+    def _parse(self, text: bytes, after: Parsed | None) -> Parsed | None:
+        """A chain's text as a chat this template rendered, else as a completions prompt.
+        A chat's text starts with the template's markup for its first message, which a
+        completion's rarely does (one that does, a client applying the template itself, is
+        read as the chat and meets nothing of the router's: not learnt)."""
+        if after is not None and after.open_role == COMPLETION:
+            return completion_parse(text, self.completion_prefix)
+        parsed = self.layout.canonical(text, after)
+        if parsed is None:
+            return completion_parse(text, self.completion_prefix)
+        return parsed
 
     def _chain_text(self, block: int | None) -> bytes | None:
         """The text of a chain up to ``block``, walked up its parents (None: one unknown)."""

@@ -274,11 +274,99 @@ def test_what_cannot_be_translated_gives_nothing(translation: Translation) -> No
     first = _events_of(prompt, len(prompt) // VLLM_BLOCK)[0]
     salted = {**first, "extra_keys": ["salt"] + [None] * 5}
     orphan = {**first, "parent_block_hash": 999, "block_hashes": [1000]}
-    completion = {**first, "token_ids": _encode("Once upon a time " * 40)}
     offloaded = {**first, "medium": "CPU"}
-    assert table.apply([salted, orphan, completion, offloaded, {"type": "Unknown"}, "junk"]) == []
+    assert table.apply([salted, orphan, offloaded, {"type": "Unknown"}, "junk"]) == []
     assert len(table) == 0
     assert table.apply([first]) and len(table) == len(first["block_hashes"])  # type: ignore[arg-type]
+
+
+COMPLETION_TEXT = "Once upon a time a cache kept é 中文 blocks. " * 12
+COMPLETION_REPLY = " Then the router found them again." * 8
+
+
+def _completion_hashes(prompt: str) -> np.ndarray:
+    body = json.dumps({"model": MODEL, "prompt": prompt}).encode()
+    return block_hashes(parse_request("completions", body).prompt, root_hash(MODEL), BLOCK, 4096)
+
+
+def _announced(table: EndpointCacheEvents, events: list[dict[str, object]]) -> list[int]:
+    return [h for held, hashes in table.apply(events) if held for h in hashes]
+
+
+def _with_post_processor(tokenizer_file: Path, processor: object, directory: Path) -> Translation:
+    spec = orjson.loads(tokenizer_file.read_bytes())
+    path = directory / "tokenizer.json"
+    path.write_bytes(orjson.dumps({**spec, "post_processor": processor}))
+    layout = ChatLayout.from_template(CHAT_TEMPLATE, bos_token=BOS)
+    return Translation(TokenBytes.from_file(path), layout, MODEL, BLOCK, 4096)
+
+
+def test_a_completions_prompt_translates_to_the_next_requests_router_hashes(
+    translation: Translation,
+) -> None:
+    """A chain that is no chat of the template's is a completions prompt: its text is the
+    router's bytes, so its blocks and its reply's are the next request's hashes (the
+    context extended by the reply, as inference-perf's multi-turn completions send it)."""
+    prompt = _encode(COMPLETION_TEXT)
+    events = _events_of(prompt + _encode(COMPLETION_REPLY), len(prompt) // VLLM_BLOCK)
+    table = EndpointCacheEvents(translation)
+    announced = _announced(table, events)
+    expected = _completion_hashes(COMPLETION_TEXT + COMPLETION_REPLY + " The end.")
+    assert table.untranslated == 0
+    assert announced == expected[: len(announced)].tolist()
+    prompt_only = _completion_hashes(COMPLETION_TEXT)
+    assert len(prompt_only) < len(announced)  # the reply's blocks count
+    # Extending the kept chain (its parse resumed as a completion) gives what walking does,
+    # and so do the pieces a long chain is applied in.
+    walked = EndpointCacheEvents(translation, tip_bytes=0)
+    assert _announced(walked, events) == announced
+    pieces = EndpointCacheEvents(translation)
+    split = [p for event in events for p in cache_events.in_pieces([event], 3 * VLLM_BLOCK)]
+    assert len(split) > len(events)
+    assert [h for part in split for h in _announced(pieces, part)] == announced
+    # Evicted: the hashes it added come back.
+    removed = table.apply([{"type": "BlockRemoved", "block_hashes": events[0]["block_hashes"]}])
+    assert removed[0][0] is False and set(removed[0][1].tolist()) <= set(announced)
+
+
+def test_a_completion_starts_after_the_special_tokens_the_tokeniser_puts_first(
+    tokenizer_file: Path, tmp_path: Path
+) -> None:
+    """Llama 3's tokenizer.json puts <|begin_of_text|> before a text it encodes alone (a
+    TemplateProcessing post-processor, in a Sequence after ByteLevel): vLLM's tokens of a
+    completions prompt start with it, the router's bytes do not."""
+    llama3 = {
+        "type": "Sequence",
+        "processors": [
+            {"type": "ByteLevel", "trim_offsets": False},
+            {
+                "type": "TemplateProcessing",
+                "single": [
+                    {"SpecialToken": {"id": BOS, "type_id": 0}},
+                    {"Sequence": {"id": "A", "type_id": 0}},
+                ],
+                "pair": [],
+                "special_tokens": {BOS: {"id": BOS, "ids": [VOCAB[BOS]], "tokens": [BOS]}},
+            },
+        ],
+    }
+    translation = _with_post_processor(tokenizer_file, llama3, tmp_path)
+    assert translation.tokens.single_prefix == BOS.encode()
+    prompt = [VOCAB[BOS], *_encode(COMPLETION_TEXT)]
+    events = _events_of(prompt, len(prompt) // VLLM_BLOCK)
+    table = EndpointCacheEvents(translation)
+    announced = _announced(table, events)
+    assert announced and table.untranslated == 0
+    assert announced == _completion_hashes(COMPLETION_TEXT)[: len(announced)].tolist()
+    # Without the BOS this tokeniser always adds, a chain is no completion of its own.
+    bare = _encode(COMPLETION_TEXT)
+    assert _announced(EndpointCacheEvents(translation), _events_of(bare, 4)) == []
+    # A post-processor it cannot read: completions are not learnt, chats still are.
+    unknown = _with_post_processor(tokenizer_file, {"type": "RobertaProcessing"}, tmp_path)
+    assert unknown.tokens.single_prefix is None
+    assert _announced(EndpointCacheEvents(unknown), _events_of(bare, 4)) == []
+    chat = _encode(_rendered(_first_turn()))
+    assert _announced(EndpointCacheEvents(unknown), _events_of(chat, len(chat) // VLLM_BLOCK))
 
 
 def test_a_cleared_cache_comes_in_order_with_what_was_stored_after_it(

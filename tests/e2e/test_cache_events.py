@@ -72,6 +72,17 @@ def _chat(address: str, messages: list[dict[str, str]]) -> str:
         return json.load(response)["choices"][0]["message"]["content"]
 
 
+def _complete(address: str, prompt: str) -> str:
+    body = {"model": lab.SERVED_MODEL_NAME, "prompt": prompt, "max_tokens": 96, "temperature": 0}
+    request = urllib.request.Request(
+        f"http://{address}/v1/completions",
+        json.dumps(body).encode(),
+        {"Content-Type": "application/json"},
+    )
+    with urllib.request.urlopen(request, timeout=120) as response:
+        return json.load(response)["choices"][0]["text"]
+
+
 def _post(address: str, path: str) -> None:
     urllib.request.urlopen(
         urllib.request.Request(f"http://{address}{path}", b"", method="POST"), timeout=30
@@ -159,6 +170,58 @@ def test_vllms_events_translate_to_the_next_turns_router_hashes(
         subscriber.close(linger=0)
 
 
+def test_vllms_events_of_a_completion_translate_to_the_next_requests_router_hashes(
+    vllm_with_events: EventsServer,
+) -> None:
+    """A completions prompt (no chat template): its blocks are the router hashes of its
+    text, and the reply's blocks those of the next request that carries the context on."""
+    address, socket = vllm_with_events.address, vllm_with_events.socket
+    routing = RoutingConfig()
+    translation = cache_events.load_translation(
+        vllm_with_events.model_dir,
+        lab.SERVED_MODEL_NAME,
+        routing.block_size_bytes,
+        routing.max_blocks,
+    )
+    translator = cache_events.EndpointCacheEvents(translation)
+    subscriber = zmq.Context.instance().socket(zmq.SUB)
+    subscriber.setsockopt(zmq.SUBSCRIBE, b"")
+    subscriber.connect(socket)
+    try:
+        time.sleep(0.5)
+        _post(address, "/reset_prefix_cache")
+        _read_events(subscriber)
+        prompt = "A completion about prefix caches keeps its blocks, é 中文. " * 10
+        reply = _complete(address, prompt)
+        announced = [
+            h
+            for frames in _read_events(subscriber)
+            for held, hashes in translator.apply(cache_events.decode_message(frames)[1])
+            if held
+            for h in hashes.tolist()
+        ]
+    finally:
+        subscriber.close(linger=0)
+
+    def hashes(text: str) -> list[int]:
+        body = json.dumps({"model": lab.SERVED_MODEL_NAME, "prompt": text}).encode()
+        request = parse_request("completions", body)
+        root = root_hash(lab.SERVED_MODEL_NAME)
+        return block_hashes(
+            request.prompt, root, routing.block_size_bytes, routing.max_blocks
+        ).tolist()
+
+    expected = hashes(prompt + reply + " And then?")
+    prompt_blocks = len(prompt.encode()) // routing.block_size_bytes
+    print(
+        f"{len(announced)} router blocks announced; the prompt has {prompt_blocks}, the next "
+        f"request {len(expected)}; untranslated vLLM blocks {translator.untranslated}"
+    )
+    assert translator.untranslated == 0
+    assert announced == expected[: len(announced)]
+    assert len(announced) > prompt_blocks  # the reply's blocks meet the next request's too
+
+
 def _cache_event_counts(admin_port: int) -> dict[str, float]:
     text = urllib.request.urlopen(f"http://{LOOPBACK}:{admin_port}/metrics", timeout=10).read()
     return {
@@ -203,9 +266,12 @@ def _wait_for_count(admin_port: int, kind: str, at_least: float) -> None:
         time.sleep(0.25)
 
 
-def _routed_through(envoy_port: int, admin_port: int, messages: list[dict[str, str]]) -> dict:
-    """Send a conversation through Envoy; the router's decision for it."""
-    _chat(f"{LOOPBACK}:{envoy_port}", messages)
+def _routed_through(envoy_port: int, admin_port: int, messages: list[dict[str, str]] | str) -> dict:
+    """Send a conversation (or a completions prompt) through Envoy; the router's decision."""
+    if isinstance(messages, str):
+        _complete(f"{LOOPBACK}:{envoy_port}", messages)
+    else:
+        _chat(f"{LOOPBACK}:{envoy_port}", messages)
     url = f"http://{LOOPBACK}:{admin_port}/debug/decisions?outcome=routed"
     deadline = time.monotonic() + 30
     while True:  # recorded when the stream ends, just after the reply
@@ -240,6 +306,27 @@ def test_a_router_learns_from_vllms_events_what_another_router_placed(
         counts = _cache_event_counts(admin)
         print(f"next turn: {_matched(decision)}; {counts}")
         assert decision["matched_blocks"] > _router_blocks(messages), (decision, counts)
+        assert decision["endpoint"] == address
+
+
+def test_a_router_learns_from_vllms_events_a_completion_another_router_placed(
+    vllm_with_events: EventsServer,
+) -> None:
+    """As above for the completions API: a prompt sent straight to vLLM, then the context
+    carried on (prompt, reply, more) through Envoy: matched past the prompt."""
+    address = vllm_with_events.address
+    prompt = "Completions carry their whole context in one prompt string. " * 8
+    with Stack() as stack:
+        args = [*vllm_with_events.router_args(), "--set", "cache_events.replay="]
+        admin, envoy = _router_behind_envoy(stack, address, args)
+        _post(address, "/reset_prefix_cache")
+        reply = _complete(address, prompt)  # straight to vLLM: not through this router
+        _wait_for_count(admin, "stored_blocks", 5)
+        decision = _routed_through(envoy, admin, prompt + reply + " And then?")
+        counts = _cache_event_counts(admin)
+        print(f"next request: {_matched(decision)}; {counts}")
+        prompt_blocks = len(prompt.encode()) // RoutingConfig().block_size_bytes
+        assert decision["matched_blocks"] > prompt_blocks, (decision, counts)
         assert decision["endpoint"] == address
 
 
