@@ -26,6 +26,7 @@ from __future__ import annotations
 import datetime
 import itertools
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -151,8 +152,9 @@ def _single_prefix(processor: Any, table: list[bytes]) -> bytes | None:
     return None  # no sequence: not a template for text
 
 
-def template_environment() -> Any:
-    """Jinja as transformers and vLLM render chat templates (sandboxed, trimmed blocks)."""
+def template_environment(now: datetime.datetime | None = None, dated: list | None = None) -> Any:
+    """Jinja as transformers and vLLM render chat templates (sandboxed, trimmed blocks).
+    ``strftime_now`` gives ``now`` (default: the clock), and appends to ``dated`` if given."""
     from jinja2.ext import loopcontrols
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
@@ -160,7 +162,9 @@ def template_environment() -> Any:
         raise ValueError(message)
 
     def strftime_now(fmt: str) -> str:
-        return datetime.datetime.now().strftime(fmt)
+        if dated is not None:
+            dated.append(fmt)
+        return (now or datetime.datetime.now()).strftime(fmt)
 
     env = ImmutableSandboxedEnvironment(
         trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols]
@@ -179,13 +183,22 @@ class ChatLayout:
     starts: dict[str, bytes]
     separators: dict[str, list[tuple[bytes, str]]]
     ends: dict[str, bytes]
+    dated: bool = False  # the template printed the date (strftime_now): it holds that day
 
     @classmethod
-    def from_template(cls, template: str, bos_token: str = "", eos_token: str = "") -> ChatLayout:
+    def from_template(
+        cls,
+        template: str,
+        bos_token: str = "",
+        eos_token: str = "",
+        now: datetime.datetime | None = None,
+    ) -> ChatLayout:
+        """The layout the template renders at ``now`` (default: the clock)."""
         from jinja2 import TemplateError
 
+        dated: list[str] = []
         try:
-            compiled = template_environment().from_string(template)
+            compiled = template_environment(now, dated).from_string(template)
         except TemplateError as exc:
             raise ValueError(f"cache_events.chat_template does not compile: {exc}") from None
 
@@ -224,7 +237,7 @@ class ChatLayout:
                     separators[role].append((between, following))
         for role in separators:  # the longest first: one separator may begin another
             separators[role].sort(key=lambda item: -len(item[0]))
-        layout = cls(starts, separators, ends)
+        layout = cls(starts, separators, ends, bool(dated))
         layout._check(render)
         return layout
 
@@ -316,6 +329,55 @@ class ChatLayout:
         return Parsed(base + tail, segments, start, role, closed)
 
 
+class DatedLayouts:
+    """A chat template's layouts by day. A template that prints today's date (Llama 3.2's
+    system header, through ``strftime_now``) renders a different start each day, and a
+    layout learnt once at start-up would stop reading every chat at the first midnight.
+    So the day's layout is learnt when the day comes, and a chain that the day's does not
+    read is tried with the day before's and after's (a chain rendered before midnight and
+    announced after it; a model server whose clock or time zone differs by hours)."""
+
+    KEPT_DAYS = 4
+
+    def __init__(
+        self,
+        template: str,
+        bos_token: str = "",
+        eos_token: str = "",
+        clock: Callable[[], datetime.datetime] = datetime.datetime.now,
+    ) -> None:
+        self._template, self._bos, self._eos, self._clock = template, bos_token, eos_token, clock
+        self._by_day: OrderedDict[datetime.date, ChatLayout] = OrderedDict()
+        self.dated = self.today().dated  # a template it cannot read fails here, at start-up
+
+    def for_day(self, day: datetime.date) -> ChatLayout:
+        layout = self._by_day.get(day)
+        if layout is None:
+            noon = datetime.datetime.combine(day, datetime.time(12))
+            layout = ChatLayout.from_template(self._template, self._bos, self._eos, noon)
+            self._by_day[day] = layout
+            while len(self._by_day) > self.KEPT_DAYS:
+                self._by_day.popitem(last=False)
+        return layout
+
+    def today(self) -> ChatLayout:
+        return self.for_day(self._clock().date())
+
+    def canonical(self, text: bytes, after: Parsed | None = None) -> Parsed | None:
+        """ChatLayout.canonical with the day's layout, then (a dated template) its
+        neighbours'."""
+        parsed = self.today().canonical(text, after)
+        if parsed is not None or not self.dated:
+            return parsed
+        today = self._clock().date()
+        for shift in (-1, 1):
+            day = today + datetime.timedelta(days=shift)
+            parsed = self.for_day(day).canonical(text, after)
+            if parsed is not None:
+                return parsed
+        return None
+
+
 COMPLETION = "completion"  # Parsed.open_role of a completions prompt's text
 
 
@@ -385,7 +447,7 @@ class Translation:
     """What translating needs, loaded once and shared by every endpoint's table."""
 
     tokens: TokenBytes
-    layout: ChatLayout
+    layout: ChatLayout | DatedLayouts  # DatedLayouts for a model's own template
     model: str  # the name clients send: it roots the router's hashes
     block_size: int  # the router's block size in bytes (routing.block_size_bytes)
     max_blocks: int  # its hash window (routing.max_blocks)
@@ -656,7 +718,7 @@ def load_translation(path: str | Path, model: str, block_size: int, max_blocks: 
     def token_text(value: Any) -> str:
         return value.get("content", "") if isinstance(value, dict) else str(value or "")
 
-    layout = ChatLayout.from_template(
+    layout = DatedLayouts(
         template, token_text(config.get("bos_token")), token_text(config.get("eos_token"))
     )
     tokens = TokenBytes.from_file(directory / "tokenizer.json")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import datetime
 import json
 from pathlib import Path
 
@@ -23,6 +24,7 @@ from extproc import cache_events, cache_subscriber
 from extproc.bench_events import stored_event
 from extproc.cache_events import (
     ChatLayout,
+    DatedLayouts,
     EndpointCacheEvents,
     TokenBytes,
     Translation,
@@ -367,6 +369,55 @@ def test_a_completion_starts_after_the_special_tokens_the_tokeniser_puts_first(
     assert _announced(EndpointCacheEvents(unknown), _events_of(bare, 4)) == []
     chat = _encode(_rendered(_first_turn()))
     assert _announced(EndpointCacheEvents(unknown), _events_of(chat, len(chat) // VLLM_BLOCK))
+
+
+# Llama 3.2's shape: a system header with today's date, always, the system message after it.
+DATED_TEMPLATE = (
+    "{{ bos_token }}<|start_header|>system<|end_header|>\n\n"
+    "Today Date: {{ strftime_now('%d %b %Y') }}\n\n"
+    "{% if messages[0]['role'] == 'system' %}{{ messages[0]['content'] }}"
+    "{% set rest = messages[1:] %}{% else %}{% set rest = messages %}{% endif %}<|eot|>"
+    "{% for message in rest %}<|start_header|>{{ message['role'] }}<|end_header|>\n\n"
+    "{{ message['content'] }}<|eot|>{% endfor %}"
+    "{% if add_generation_prompt %}<|start_header|>assistant<|end_header|>\n\n{% endif %}"
+)
+
+
+def test_a_template_that_prints_the_date_is_read_on_every_day(tokenizer_file: Path) -> None:
+    """Its start differs every day: the day's layout is learnt when the day comes, and a
+    chain rendered the day before (announced after midnight) still reads. A layout learnt
+    once, at start-up, reads nothing a week later."""
+    clock = {"now": datetime.datetime(2026, 12, 4, 23, 59)}
+    layouts = DatedLayouts(DATED_TEMPLATE, BOS, clock=lambda: clock["now"])
+    assert layouts.dated and not DatedLayouts(CHAT_TEMPLATE, BOS).dated
+    translation = Translation(TokenBytes.from_file(tokenizer_file), layouts, MODEL, BLOCK, 4096)
+    messages = _first_turn()
+    expected = _router_hashes(
+        [*messages, {"role": "assistant", "content": REPLY}, {"role": "user", "content": "More."}]
+    )
+
+    def announced_on(day: datetime.datetime, table: EndpointCacheEvents) -> list[int]:
+        render = template_environment(now=day).from_string(DATED_TEMPLATE).render
+        text = render(messages=messages, add_generation_prompt=True, bos_token=BOS)
+        prompt = _encode(text)
+        return _announced(table, _events_of(prompt + _encode(REPLY), len(prompt) // VLLM_BLOCK))
+
+    clock["now"] = datetime.datetime(2026, 12, 5, 0, 1)
+    for rendered in (datetime.datetime(2026, 12, 4, 23, 59), datetime.datetime(2026, 12, 5, 0, 1)):
+        table = EndpointCacheEvents(translation)
+        announced = announced_on(rendered, table)
+        assert table.untranslated == 0 and len(announced) > 10
+        assert announced == expected[: len(announced)].tolist()
+    week_later = datetime.datetime(2026, 12, 12, 9, 0)
+    clock["now"] = week_later
+    assert announced_on(week_later, EndpointCacheEvents(translation))[:10] == expected[:10].tolist()
+    once = ChatLayout.from_template(DATED_TEMPLATE, BOS, now=datetime.datetime(2026, 12, 4, 12))
+    learnt_once = Translation(translation.tokens, once, MODEL, BLOCK, 4096)
+    stale = EndpointCacheEvents(learnt_once)
+    assert announced_on(week_later, stale)[:10] != expected[:10].tolist()
+    # Only the neighbouring days are tried: three days back does not read as a chat.
+    old = EndpointCacheEvents(translation)
+    assert announced_on(datetime.datetime(2026, 12, 9, 9, 0), old)[:10] != expected[:10].tolist()
 
 
 def test_a_cleared_cache_comes_in_order_with_what_was_stored_after_it(

@@ -8,9 +8,11 @@ router hashes of the conversation's next turn, reply included, as far as vLLM co
 
 from __future__ import annotations
 
+import datetime
 import json
 import time
 import urllib.request
+import zoneinfo
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,7 +23,7 @@ import pytest
 import zmq
 from prometheus_client.parser import text_string_to_metric_families
 
-from extproc import bench_live, cache_events, lab
+from extproc import bench_live, cache_events, lab, model_fixture
 from extproc.config import RoutingConfig
 from extproc.hashing import block_hashes, root_hash
 from extproc.prompt import parse_request
@@ -220,6 +222,113 @@ def test_vllms_events_of_a_completion_translate_to_the_next_requests_router_hash
     assert translator.untranslated == 0
     assert announced == expected[: len(announced)]
     assert len(announced) > prompt_blocks  # the reply's blocks meet the next request's too
+
+
+# Llama 3.2's shape in the fixture's tokens: a system header with today's date, always.
+DATED_TEMPLATE = (
+    "{{ bos_token }}<|start_header|>system<|end_header|>\n\n"
+    "Today Date: {{ strftime_now('%d %b %Y') }}\n\n"
+    "{% if messages[0]['role'] == 'system' %}{{ messages[0]['content'] }}"
+    "{% set rest = messages[1:] %}{% else %}{% set rest = messages %}{% endif %}<|eot|>"
+    "{% for message in rest %}<|start_header|>{{ message['role'] }}<|end_header|>\n\n"
+    "{{ message['content'] }}<|eot|>{% endfor %}"
+    "{% if add_generation_prompt %}<|start_header|>assistant<|end_header|>\n\n{% endif %}"
+)
+
+
+def test_a_template_that_prints_the_date_reads_on_a_server_whose_day_is_another(
+    vllm_with_events: EventsServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A chat template that prints today's date (Llama 3.2's) renders a different start each
+    day. A second vLLM server renders it in a time zone whose date is not this process's
+    (what a router sees for the hours around midnight, or against a server on another
+    clock): its events still translate into the next turn's router hashes, through the
+    neighbouring day's layout. A layout learnt once, for this process's day, reads none."""
+    here = datetime.datetime.now().date()
+    zone = next(
+        z
+        for z in ("Etc/GMT-14", "Etc/GMT+12")  # UTC+14 and UTC-12: one differs from any day
+        if datetime.datetime.now(zoneinfo.ZoneInfo(z)).date() != here
+    )
+    model_dir = vllm_with_events.model_dir
+    tokenizer_dir = tmp_path / "tokenizer"
+    tokenizer_dir.mkdir()
+    (tokenizer_dir / "tokenizer.json").write_bytes((model_dir / "tokenizer.json").read_bytes())
+    config = json.loads((model_dir / "tokenizer_config.json").read_text())
+    (tokenizer_dir / "tokenizer_config.json").write_text(
+        json.dumps({**config, "chat_template": DATED_TEMPLATE})
+    )
+    (tmp_path / "dated.jinja").write_text(DATED_TEMPLATE)
+    python = lab.ensure_vllm_env()
+    monkeypatch.setenv("TZ", zone)  # for the server only: this process keeps its zone
+    server = lab.start_vllm(
+        python,
+        model_dir,
+        "vllm-dated",
+        lab.core_for(1),
+        tmp_path,
+        extra_args=["--chat-template", str(tmp_path / "dated.jinja")],
+        kv_events_dir=tmp_path,
+    )
+    monkeypatch.delenv("TZ")
+    routing = RoutingConfig()
+    translation = cache_events.load_translation(
+        tokenizer_dir, lab.SERVED_MODEL_NAME, routing.block_size_bytes, routing.max_blocks
+    )
+    assert isinstance(translation.layout, cache_events.DatedLayouts) and translation.layout.dated
+    once = cache_events.ChatLayout.from_template(DATED_TEMPLATE, model_fixture.BOS)
+    tables = {
+        "by day": cache_events.EndpointCacheEvents(translation),
+        "once": cache_events.EndpointCacheEvents(
+            cache_events.Translation(
+                translation.tokens, once, translation.model, translation.block_size, 4096
+            )
+        ),
+    }
+    subscriber = zmq.Context.instance().socket(zmq.SUB)
+    subscriber.setsockopt(zmq.SUBSCRIBE, b"")
+    try:
+        lab.wait_healthy([server])
+        subscriber.connect(f"ipc://{tmp_path}/kv-{server.port}.ipc")
+        time.sleep(0.5)
+        _post(server.address, "/reset_prefix_cache")
+        _read_events(subscriber)
+        messages = [
+            {"role": "system", "content": "You date your answers, briefly. " * 10},
+            {"role": "user", "content": "Which day is it where the server runs? " * 5},
+        ]
+        reply = _chat(server.address, messages)
+        received = _read_events(subscriber)
+    finally:
+        subscriber.close(linger=0)
+        lab.stop_all([server])
+    announced = {}
+    for name, table in tables.items():
+        announced[name] = [
+            h
+            for frames in received
+            for held, hashes in table.apply(cache_events.decode_message(frames)[1])
+            if held
+            for h in hashes.tolist()
+        ]
+    body = json.dumps(
+        {"model": lab.SERVED_MODEL_NAME, "messages": _then(messages, reply, "Go on.")}
+    ).encode()
+    expected = block_hashes(
+        parse_request("chat", body).prompt,
+        root_hash(lab.SERVED_MODEL_NAME),
+        routing.block_size_bytes,
+        routing.max_blocks,
+    ).tolist()
+    by_day = announced["by day"]
+    print(
+        f"server zone {zone}: {len(by_day)} router blocks announced by day, of the next "
+        f"turn's {len(expected)} (the first turn {_router_blocks(messages)}); learnt once: "
+        f"{sum(a == b for a, b in zip(announced['once'], expected, strict=False))} equal"
+    )
+    assert tables["by day"].untranslated == 0
+    assert by_day == expected[: len(by_day)] and len(by_day) > _router_blocks(messages)
+    assert announced["once"][:4] != expected[:4]
 
 
 def _cache_event_counts(admin_port: int) -> dict[str, float]:
