@@ -348,7 +348,8 @@ class DatedLayouts:
     ) -> None:
         self._template, self._bos, self._eos, self._clock = template, bos_token, eos_token, clock
         self._by_day: OrderedDict[datetime.date, ChatLayout] = OrderedDict()
-        self.dated = self.today().dated  # a template it cannot read fails here, at start-up
+        self._first = self.today()  # a template it cannot read fails here, at start-up
+        self.dated = self._first.dated
 
     def for_day(self, day: datetime.date) -> ChatLayout:
         layout = self._by_day.get(day)
@@ -366,8 +367,10 @@ class DatedLayouts:
     def canonical(self, text: bytes, after: Parsed | None = None) -> Parsed | None:
         """ChatLayout.canonical with the day's layout, then (a dated template) its
         neighbours'."""
+        if not self.dated:  # the same every day
+            return self._first.canonical(text, after)
         parsed = self.today().canonical(text, after)
-        if parsed is not None or not self.dated:
+        if parsed is not None:
             return parsed
         today = self._clock().date()
         for shift in (-1, 1):
