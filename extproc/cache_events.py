@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import datetime
 import itertools
+import logging
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -37,6 +38,8 @@ import orjson
 from .config import Config, ConfigError
 from .hashing import EMPTY, block_hashes, block_hashes_after, root_hash
 from .prompt import canonical_conversation_start, frame_head
+
+log = logging.getLogger(__name__)
 
 ROLES = ("system", "user", "assistant")
 TIP_BYTES = 32 * 1024 * 1024  # per endpoint: the text of the chains being extended
@@ -348,14 +351,23 @@ class DatedLayouts:
     ) -> None:
         self._template, self._bos, self._eos, self._clock = template, bos_token, eos_token, clock
         self._by_day: OrderedDict[datetime.date, ChatLayout] = OrderedDict()
-        self._first = self.today()  # a template it cannot read fails here, at start-up
+        today = self._clock().date()
+        self._first = self._learn(today)  # a template it cannot read fails here, at start-up
+        self._by_day[today] = self._first
         self.dated = self._first.dated
+
+    def _learn(self, day: datetime.date) -> ChatLayout:
+        noon = datetime.datetime.combine(day, datetime.time(12))
+        return ChatLayout.from_template(self._template, self._bos, self._eos, noon)
 
     def for_day(self, day: datetime.date) -> ChatLayout:
         layout = self._by_day.get(day)
         if layout is None:
-            noon = datetime.datetime.combine(day, datetime.time(12))
-            layout = ChatLayout.from_template(self._template, self._bos, self._eos, noon)
+            try:
+                layout = self._learn(day)
+            except Exception:  # a day it cannot read the template on: start-up's layout
+                log.warning("cache_events: the chat template's layout for %s: unreadable", day)
+                layout = self._first
             self._by_day[day] = layout
             while len(self._by_day) > self.KEPT_DAYS:
                 self._by_day.popitem(last=False)

@@ -420,6 +420,22 @@ def test_a_template_that_prints_the_date_is_read_on_every_day(tokenizer_file: Pa
     assert announced_on(datetime.datetime(2026, 12, 9, 9, 0), old)[:10] != expected[:10].tolist()
 
 
+def test_a_day_whose_layout_cannot_be_learnt_keeps_start_ups(tokenizer_file: Path) -> None:
+    """Learning a new day's layout happens while events are read: a template that fails on
+    some day must not take the subscriber down. That day keeps the start-up layout."""
+    picky = "{% if strftime_now('%d') == '13' %}{{ raise_exception('not today') }}{% endif %}"
+    clock = {"now": datetime.datetime(2026, 12, 12, 9, 0)}
+    layouts = DatedLayouts(picky + CHAT_TEMPLATE, BOS, clock=lambda: clock["now"])
+    assert layouts.dated
+    clock["now"] = datetime.datetime(2026, 12, 13, 9, 0)
+    translation = Translation(TokenBytes.from_file(tokenizer_file), layouts, MODEL, BLOCK, 4096)
+    table = EndpointCacheEvents(translation)
+    prompt = _encode(_rendered(_first_turn()))
+    announced = _announced(table, _events_of(prompt, len(prompt) // VLLM_BLOCK))
+    assert announced == _router_hashes(_first_turn())[: len(announced)].tolist()
+    assert layouts.for_day(clock["now"].date()) is layouts.today()
+
+
 def test_a_cleared_cache_comes_in_order_with_what_was_stored_after_it(
     translation: Translation,
 ) -> None:
