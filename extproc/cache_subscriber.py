@@ -199,7 +199,13 @@ class CacheEventSubscriber:
         ignored = False
         for part in in_pieces(events, PIECE_TOKENS):
             untranslated = table.untranslated
-            changes = table.apply(part)
+            try:
+                changes = table.apply(part)
+            except Exception as exc:  # events of a shape it does not know (another vLLM)
+                if not self.counts[endpoint, "malformed_messages"]:
+                    log.warning("KV-cache events of %s: unreadable event (%r)", endpoint, exc)
+                self._count(endpoint, "malformed_messages", 1)
+                break
             self._count(endpoint, "untranslated_blocks", table.untranslated - untranslated)
             if changes and self._on_changes(endpoint, changes):
                 for held, hashes in changes:

@@ -570,6 +570,10 @@ async def test_the_subscriber_feeds_an_endpoints_published_events_to_the_router(
         matched = router.index.match(hashes, addresses)
         assert set(matched) == {"127.0.0.1:8002"} and matched["127.0.0.1:8002"] >= len(hashes) - 1
         publish(1, b"\xc1")
+        # Events of a shape it does not know (token ids that are not integers): counted, and
+        # the messages after it are still read.
+        odd = {**events[0], "token_ids": ["x", *events[0]["token_ids"][1:]]}
+        publish(2, msgspec.msgpack.encode([0.0, [odd], 0]))
         publish(
             5,
             msgspec.msgpack.encode(
@@ -587,7 +591,7 @@ async def test_the_subscriber_feeds_an_endpoints_published_events_to_the_router(
             for (endpoint, kind), n in subscriber.counts.items()
             if endpoint == "127.0.0.1:8002"
         }
-        assert counts["malformed_messages"] == 1 and counts["missed_messages"] >= 4
+        assert counts["malformed_messages"] == 2 and counts["missed_messages"] >= 2
         assert counts["stored_blocks"] >= len(hashes) - 1 and counts["removed_blocks"] > 0
         assert not any(endpoint == "127.0.0.1:8001" for endpoint, _ in subscriber.counts)
         # The sequence starting over means the publisher restarted: its cache is empty.
