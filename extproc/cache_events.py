@@ -16,9 +16,10 @@ after the special tokens the tokeniser puts first (a BOS), is the router's bytes
 
 What does not translate is only not learnt (no harm to routing): tokenisers that are not
 byte-level BPE (rejected at start-up), templates whose messages cannot be told apart
-(rejected), content the template changes (trimmed whitespace, joined parts), tools, salted
-or multimodal prompts (their blocks carry extra keys), completions sent as token ids or
-already in the template's markup.
+(rejected), content the template changes (trimmed whitespace, joined parts), tools,
+multimodal prompts and prompt embeddings (their blocks carry extra keys that change what the
+tokens mean; a cache salt or a LoRA name is read from them), completions sent as token ids
+or already in the template's markup.
 """
 
 from __future__ import annotations
@@ -332,6 +333,33 @@ class ChatLayout:
         return Parsed(base + tail, segments, start, role, closed)
 
 
+def chain_salt(extra_keys: Any, lora_name: str | None, first: bool) -> str | None:
+    """The ``cache_salt`` a chain's blocks were hashed with ("" none), from the untagged
+    extra keys vLLM publishes per block: the LoRA name (when the event names one), (media
+    id, offset) pairs, the salt (on a chain's first block) and prompt-embedding digests.
+    None: keys that change what the tokens mean (media, prompt embeddings), which a
+    request's bytes cannot match. ``first``: the chain starts a prompt (no parent)."""
+    if extra_keys is None:
+        return ""
+    if not isinstance(extra_keys, list | tuple):
+        return None
+    salt = ""
+    for k, keys in enumerate(extra_keys):
+        if keys is None:
+            continue
+        if not isinstance(keys, list | tuple):
+            return None
+        if lora_name and keys and keys[0] == lora_name:
+            keys = keys[1:]
+        if not keys:
+            continue
+        if first and k == 0 and len(keys) == 1 and isinstance(keys[0], str):
+            salt = keys[0]
+            continue
+        return None
+    return salt
+
+
 class DatedLayouts:
     """A chat template's layouts by day. A template that prints today's date (Llama 3.2's
     system header, through ``strftime_now``) renders a different start each day, and a
@@ -489,6 +517,9 @@ class EndpointCacheEvents:
         self._tips: OrderedDict[int, _Tip] = OrderedDict()
         self._tip_bytes, self._tips_held = tip_bytes, 0
         self.max_table_blocks = max_table_blocks
+        # The cache salt of a salted chain, by its first block's vLLM hash: a chain's later
+        # blocks (a reply, a next turn) carry none, and their hashes start from its root.
+        self._salts: dict[Any, str] = {}
         self.untranslated = 0  # stored blocks that gave no hashes of this router's
 
     def __len__(self) -> int:
@@ -509,22 +540,26 @@ class EndpointCacheEvents:
         above = self._blocks.get(parent) if parent is not None else None
         if parent is not None and above is None:  # a parent this subscriber never saw
             return self._untranslated(block_hashes_)
-        if parent is None and extra_keys and any(k is not None for k in extra_keys):
-            return self._untranslated(block_hashes_)  # salted or multimodal
+        salt = chain_salt(extra_keys, lora_name, first=parent is None)
+        if salt is None:  # images or other media, prompt embeddings
+            return self._untranslated(block_hashes_)
         texts = self.tokens.decode_blocks(token_ids, block_size, len(block_hashes_))
         start_end = above[_ROUTER_END] if above is not None else 0
         if start_end >= self.max_blocks:  # past the hash window: nothing new to learn
             return self._remember(
                 block_hashes_, parent, texts, [start_end] * len(texts), EMPTY, start_end
             )
-        root = root_hash(lora_name or self.model)
         tip = self._take_tip(parent)
         if tip is not None:
             prefix, previous, after = tip
         else:
-            prefix, previous, after = self._chain_text(parent), root, None
-            if prefix is None:
+            chain = self._chain(parent)
+            if chain is None:
                 return self._untranslated(block_hashes_)
+            prefix, first = chain
+            if first is not None:  # a salt is on its chain's first block only
+                salt = self._salts.get(first, "")
+            previous, after = root_hash(lora_name or self.model, salt), None
         text = prefix + b"".join(texts)
         parsed = self._parse(text, after)
         if parsed is None:
@@ -535,7 +570,7 @@ class EndpointCacheEvents:
                 canonical, previous, start_end, self.block_size, self.max_blocks
             )
         else:
-            hashes = block_hashes(canonical, root, self.block_size, self.max_blocks)[start_end:]
+            hashes = block_hashes(canonical, previous, self.block_size, self.max_blocks)[start_end:]
         text_ends = list(itertools.accumulate(map(len, texts), initial=len(prefix)))[1:]
         most = start_end + len(hashes)
         ends = [
@@ -545,6 +580,8 @@ class EndpointCacheEvents:
         last = ends[-1] - start_end
         last_hash = int(hashes[last - 1]) if last else previous
         self._keep_tip(block_hashes_[-1], _Tip(text, last_hash, parsed))
+        if salt and parent is None:
+            self._salts[block_hashes_[0]] = salt
         return self._remember(block_hashes_, parent, texts, ends, hashes, start_end)
 
     def _parse(self, text: bytes, after: Parsed | None) -> Parsed | None:
@@ -559,16 +596,18 @@ class EndpointCacheEvents:
             return completion_parse(text, self.completion_prefix)
         return parsed
 
-    def _chain_text(self, block: int | None) -> bytes | None:
-        """The text of a chain up to ``block``, walked up its parents (None: one unknown)."""
+    def _chain(self, block: int | None) -> tuple[bytes, int | None] | None:
+        """The text of a chain up to ``block``, walked up its parents, and its first block
+        (None: ``block`` is None); None: a block unknown on the way."""
         pieces: list[bytes] = []
+        first = block
         while block is not None:
             known = self._blocks.get(block)
             if known is None:
                 return None
             pieces.append(known[_TEXT])
-            block = known[_PARENT]
-        return b"".join(reversed(pieces))
+            first, block = block, known[_PARENT]
+        return b"".join(reversed(pieces)), first
 
     def _take_tip(self, block: int | None) -> _Tip | None:
         tip = self._tips.pop(block, None) if block is not None else None
@@ -601,7 +640,9 @@ class EndpointCacheEvents:
         # Evictions missed (a gap no replay filled) would leave blocks here for good: past
         # the cap, the longest-stored go (their extensions then no longer translate).
         while len(self._blocks) > self.max_table_blocks:
-            del self._blocks[next(iter(self._blocks))]
+            oldest = next(iter(self._blocks))
+            del self._blocks[oldest]
+            self._salts.pop(oldest, None)
         return hashes[: previous - start_end].copy()
 
     def _untranslated(self, block_hashes_: list[int]) -> np.ndarray:
@@ -612,6 +653,7 @@ class EndpointCacheEvents:
         """Blocks the endpoint evicted: the router hashes they had added."""
         for block in block_hashes_:
             self._take_tip(block)
+            self._salts.pop(block, None)
         added = b"".join(
             b[_HASHES] for h in block_hashes_ if (b := self._blocks.pop(h, None)) is not None
         )
@@ -619,6 +661,7 @@ class EndpointCacheEvents:
 
     def cleared(self) -> None:
         self._blocks.clear()
+        self._salts.clear()
         self._tips.clear()
         self._tips_held = 0
 

@@ -274,10 +274,13 @@ def test_what_cannot_be_translated_gives_nothing(translation: Translation) -> No
     prompt = _encode(_rendered(_first_turn()))
     table = EndpointCacheEvents(translation)
     first = _events_of(prompt, len(prompt) // VLLM_BLOCK)[0]
-    salted = {**first, "extra_keys": ["salt"] + [None] * 5}
+    # An image's (id, offset) pair among the first block's extra keys: the tokens mean more
+    # than their ids; and extra keys of a shape vLLM does not send.
+    media = {**first, "extra_keys": [[["image-digest", 0]]] + [None] * 5}
+    odd_keys = {**first, "extra_keys": ["salt"] + [None] * 5}
     orphan = {**first, "parent_block_hash": 999, "block_hashes": [1000]}
     offloaded = {**first, "medium": "CPU"}
-    assert table.apply([salted, orphan, offloaded, {"type": "Unknown"}, "junk"]) == []
+    assert table.apply([media, odd_keys, orphan, offloaded, {"type": "Unknown"}, "junk"]) == []
     assert len(table) == 0
     assert table.apply([first]) and len(table) == len(first["block_hashes"])  # type: ignore[arg-type]
 
@@ -418,6 +421,50 @@ def test_a_template_that_prints_the_date_is_read_on_every_day(tokenizer_file: Pa
     # Only the neighbouring days are tried: three days back does not read as a chat.
     old = EndpointCacheEvents(translation)
     assert announced_on(datetime.datetime(2026, 12, 9, 9, 0), old)[:10] != expected[:10].tolist()
+
+
+def _salted_next_turn(salt: str, model: str = MODEL) -> np.ndarray:
+    messages = [*_first_turn(), {"role": "assistant", "content": REPLY}]
+    messages.append({"role": "user", "content": "More."})
+    body = json.dumps({"model": model, "messages": messages, "cache_salt": salt}).encode()
+    request = parse_request("chat", body)
+    return block_hashes(request.prompt, root_hash(model, salt), BLOCK, 4096)
+
+
+def test_a_salted_or_lora_chain_translates_with_its_salt_and_adapter(
+    translation: Translation,
+) -> None:
+    """vLLM hashes a salted prompt's first block with its ``cache_salt``, a LoRA request's
+    every block with the adapter's name, and publishes both among the blocks' extra keys
+    (untagged: the name first, the salt after it). The router roots a request's hashes in
+    its model and salt, so both translate; the reply's blocks, which carry no salt, start
+    from the chain's root (walked or kept)."""
+    prompt = _encode(_rendered(_first_turn()))
+    token_ids = prompt + _encode(REPLY)
+    events = _events_of(token_ids, len(prompt) // VLLM_BLOCK)
+    salted = [dict(e) for e in events]
+    salted[0]["extra_keys"] = [["tenant-7"]] + [None] * (len(salted[0]["block_hashes"]) - 1)
+    for tip_bytes in (cache_events.TIP_BYTES, 0):
+        table = EndpointCacheEvents(translation, tip_bytes=tip_bytes)
+        announced = _announced(table, salted)
+        expected = _salted_next_turn("tenant-7")
+        assert table.untranslated == 0 and len(announced) > len(prompt) * 4 // 5 // BLOCK
+        assert announced == expected[: len(announced)].tolist()
+        assert announced[:4] != _salted_next_turn("")[:4].tolist()  # not the unsalted chain
+    # A LoRA adapter named in the event and in every block's keys, with a salt too.
+    lora = [{**e, "lora_name": "adapter-a"} for e in events]
+    for k, event in enumerate(lora):
+        keys = [["adapter-a"] for _ in event["block_hashes"]]
+        if k == 0:
+            keys[0] = ["adapter-a", "tenant-7"]
+        event["extra_keys"] = keys
+    table = EndpointCacheEvents(translation, tip_bytes=0)
+    announced = _announced(table, lora)
+    assert table.untranslated == 0
+    assert announced == _salted_next_turn("tenant-7", "adapter-a")[: len(announced)].tolist()
+    # Evicting the salted chain's first block forgets its salt.
+    table.apply([{"type": "BlockRemoved", "block_hashes": events[0]["block_hashes"]}])
+    assert not table._salts
 
 
 def test_a_day_whose_layout_cannot_be_learnt_keeps_start_ups(tokenizer_file: Path) -> None:

@@ -74,6 +74,17 @@ def _chat(address: str, messages: list[dict[str, str]]) -> str:
         return json.load(response)["choices"][0]["message"]["content"]
 
 
+def _translated(translator: cache_events.EndpointCacheEvents, received: list) -> list[int]:
+    """The router hashes a table stored from these messages, in order."""
+    return [
+        h
+        for frames in received
+        for held, hashes in translator.apply(cache_events.decode_message(frames)[1])
+        if held
+        for h in hashes.tolist()
+    ]
+
+
 def _complete(address: str, prompt: str) -> str:
     body = {"model": lab.SERVED_MODEL_NAME, "prompt": prompt, "max_tokens": 96, "temperature": 0}
     request = urllib.request.Request(
@@ -329,6 +340,78 @@ def test_a_template_that_prints_the_date_reads_on_a_server_whose_day_is_another(
     assert tables["by day"].untranslated == 0
     assert by_day == expected[: len(by_day)] and len(by_day) > _router_blocks(messages)
     assert announced["once"][:4] != expected[:4]
+
+
+def test_vllms_events_of_a_salted_chat_translate_with_its_salt(
+    vllm_with_events: EventsServer,
+) -> None:
+    """A chat with a ``cache_salt``: vLLM hashes its first block with the salt and publishes
+    it among that block's extra keys; the events translate into the router hashes of the
+    next turn with the same salt, reply included (and not into the unsalted ones)."""
+    address, socket = vllm_with_events.address, vllm_with_events.socket
+    routing = RoutingConfig()
+    translation = cache_events.load_translation(
+        vllm_with_events.model_dir,
+        lab.SERVED_MODEL_NAME,
+        routing.block_size_bytes,
+        routing.max_blocks,
+    )
+    translator = cache_events.EndpointCacheEvents(translation)
+    subscriber = zmq.Context.instance().socket(zmq.SUB)
+    subscriber.setsockopt(zmq.SUBSCRIBE, b"")
+    subscriber.connect(socket)
+    messages = [
+        {"role": "system", "content": "You keep each tenant's cache apart. " * 10},
+        {"role": "user", "content": "Which blocks can another tenant reuse? " * 5},
+    ]
+    try:
+        time.sleep(0.5)
+        _post(address, "/reset_prefix_cache")
+        _read_events(subscriber)
+        body = {
+            "model": lab.SERVED_MODEL_NAME,
+            "messages": messages,
+            "max_tokens": 96,
+            "temperature": 0,
+            "cache_salt": "tenant-7",
+        }
+        request = urllib.request.Request(
+            f"http://{address}/v1/chat/completions",
+            json.dumps(body).encode(),
+            {"Content-Type": "application/json"},
+        )
+        with urllib.request.urlopen(request, timeout=120) as response:
+            reply = json.load(response)["choices"][0]["message"]["content"]
+        received = _read_events(subscriber)
+    finally:
+        subscriber.close(linger=0)
+    first_keys = [
+        event.get("extra_keys")
+        for frames in received[:1]
+        for event in cache_events.decode_message(frames)[1]
+        if isinstance(event, dict) and event.get("type") == "BlockStored"
+    ]
+    announced = _translated(translator, received)
+
+    def next_turn(salt: str) -> list[int]:
+        payload = {"model": lab.SERVED_MODEL_NAME, "messages": _then(messages, reply, "Go on.")}
+        if salt:
+            payload["cache_salt"] = salt
+        request = parse_request("chat", json.dumps(payload).encode())
+        root = root_hash(lab.SERVED_MODEL_NAME, salt)
+        return block_hashes(
+            request.prompt, root, routing.block_size_bytes, routing.max_blocks
+        ).tolist()
+
+    expected = next_turn("tenant-7")
+    print(
+        f"first stored event's extra keys {str(first_keys)[:80]}; {len(announced)} router "
+        f"blocks announced of the next turn's {len(expected)} (the first turn "
+        f"{_router_blocks(messages)}); untranslated vLLM blocks {translator.untranslated}"
+    )
+    assert translator.untranslated == 0
+    assert announced == expected[: len(announced)] and len(announced) > _router_blocks(messages)
+    assert announced[:4] != next_turn("")[:4]
 
 
 def _cache_event_counts(admin_port: int) -> dict[str, float]:
