@@ -297,7 +297,7 @@ class RouterService:
 def freeze_start_up_heap() -> int:
     """Take what start-up built (imported modules, config, the events translation) out of
     the garbage collector's reach, and return how many objects that is. A full collection
-    otherwise walks all of it while decisions wait: 16-21 ms for the ~67,000 objects of a
+    otherwise walks all of it while decisions wait: 13-34 ms for the ~67,000 objects of a
     plain router (docs/benchmarks.md, "Router overhead"). Its own garbage goes first."""
     gc.collect()
     gc.freeze()
