@@ -234,6 +234,29 @@ def routing_rules(admin_ports: Sequence[int]) -> dict[str, float]:
     return _router_counts(admin_ports, "prefix_router_requests_total", "reason", outcome="routed")
 
 
+def pass_through_reasons(admin_ports: Sequence[int]) -> dict[str, float]:
+    """Requests our routers let through unrouted, by reason (no_body: the stream ended
+    before the request's body reached the router)."""
+    return _router_counts(
+        admin_ports, "prefix_router_requests_total", "reason", outcome="pass_through"
+    )
+
+
+def envoy_ext_proc_counts(admin_port: int | None) -> dict[str, float]:
+    """Envoy's ext_proc filter counters (streams started and closed, message timeouts,
+    failure_mode_allowed: requests Envoy sent on without the router's answer)."""
+    if admin_port is None:
+        return {}
+    text = _http("GET", f"http://{LOOPBACK}:{admin_port}/stats?filter=ext_proc").decode()
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        name, sep, value = line.partition(": ")
+        if sep and value.strip().isdigit():
+            key = name.rsplit("ext_proc.", 1)[-1]
+            out[key] = out.get(key, 0.0) + float(value)
+    return out
+
+
 def decision_outcomes(admin_ports: Sequence[int]) -> dict[str, float]:
     """Requests our routers saw, by outcome (routed, pass_through, no_endpoint, error)."""
     return _router_counts(admin_ports, "prefix_router_requests_total", "outcome")
@@ -299,6 +322,7 @@ class Target:
     router_pid: int | None = None  # the router's process tree (ours or a peer)
     proxy_pid: int | None = None  # Envoy, where it is in the path
     admin_ports: tuple[int, ...] = ()  # our routers' admin ports (rule counts)
+    proxy_admin_port: int | None = None  # that Envoy's admin port (its ext_proc counters)
 
 
 def measured_run(
@@ -327,6 +351,8 @@ def measured_run(
     before = {a: vllm_counters(a) for a in servers}
     rules_before = routing_rules(target.admin_ports)
     outcomes_before = decision_outcomes(target.admin_ports)
+    passed_before = pass_through_reasons(target.admin_ports)
+    envoy_before = envoy_ext_proc_counts(target.proxy_admin_port)
     events_before = cache_event_counts(target.admin_ports)
     cpu_before = {name: tree_cpu_seconds(pid) for name, pid in pids.items()}
     total = chat.conversations * chat.turns if kind == "chat" else groups.groups * groups.questions
@@ -357,6 +383,9 @@ def measured_run(
     # Every request's outcome (a request not routed went to the fallback); rules: the
     # routed ones' deciding rule.
     row["outcomes"] = _delta(outcomes, outcomes_before)
+    row["pass_through"] = _delta(pass_through_reasons(target.admin_ports), passed_before)
+    # What Envoy saw of the router: a request whose answer came too late went on without it.
+    row["envoy_ext_proc"] = _delta(envoy_ext_proc_counts(target.proxy_admin_port), envoy_before)
     row["rules"] = _delta(routing_rules(target.admin_ports), rules_before)
     events = cache_event_counts(target.admin_ports)
     row["cache_events"] = _delta(events, events_before)
@@ -580,7 +609,8 @@ def start_target(
             url, envoy, pid = _envoy_in_front(stack, run, servers, "override-host", routers)
             started.append(envoy)
             # Two router processes: no single process tree to charge CPU to.
-            yield Target(run, url, None, pid, tuple(admin))
+            envoy_admin = stack.envoy_admin_ports[f"envoy-{run}"]
+            yield Target(run, url, None, pid, tuple(admin), envoy_admin)
         elif run in ("round_robin", "prefix_buffered", "prefix_duplex", "prefix_blocks"):
             body_mode = "full_duplex_streamed" if run == "prefix_duplex" else "buffered"
             if run == "prefix_blocks":
@@ -599,7 +629,8 @@ def start_target(
             admin_ports = (
                 () if run == "round_robin" else (stack.router_admin_ports[f"router-{run}"],)
             )
-            yield Target(run, url, router_pid, pid, admin_ports)
+            envoy_admin = stack.envoy_admin_ports[f"envoy-{run}"]
+            yield Target(run, url, router_pid, pid, admin_ports, envoy_admin)
         elif run in PEERS:
             peer = start_peer(stack, run, servers, model_dir if run == "sglang" else None)
             started.append(peer.proc)

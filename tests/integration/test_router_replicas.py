@@ -349,3 +349,7 @@ def test_one_envoy_spreads_requests_over_two_router_replicas(tmp_path):
             # The live benchmark's rule counts: every request, summed over both routers.
             assert sorted(target.admin_ports) == sorted(admins)
             assert sum(bench_live.routing_rules(target.admin_ports).values()) == 20
+            # What Envoy saw of the routers: 20 processing streams, none failed open.
+            envoy = bench_live.envoy_ext_proc_counts(target.proxy_admin_port)
+            assert envoy["streams_started"] == 20 and not envoy.get("failure_mode_allowed")
+            assert bench_live.pass_through_reasons(target.admin_ports) == {}
