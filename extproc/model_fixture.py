@@ -64,6 +64,19 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}<|start_header|>assistant<|end_header|>\n\n{% endif %}"
 )
 
+# Llama 3.2's shape in the same tokens: a system header with today's date (strftime_now),
+# always, the system message after it. Not the fixture's own template (the recipe hash does
+# not cover it): tests serve it with vLLM's --chat-template.
+DATED_CHAT_TEMPLATE = (
+    "{{ bos_token }}<|start_header|>system<|end_header|>\n\n"
+    "Today Date: {{ strftime_now('%d %b %Y') }}\n\n"
+    "{% if messages[0]['role'] == 'system' %}{{ messages[0]['content'] }}"
+    "{% set rest = messages[1:] %}{% else %}{% set rest = messages %}{% endif %}<|eot|>"
+    "{% for message in rest %}<|start_header|>{{ message['role'] }}<|end_header|>\n\n"
+    "{{ message['content'] }}<|eot|>{% endfor %}"
+    "{% if add_generation_prompt %}<|start_header|>assistant<|end_header|>\n\n{% endif %}"
+)
+
 # Words for the training corpus: common English, the domain words of the project's workloads,
 # and generated syllable words so that unseen text still splits into multi-byte pieces.
 _ENGLISH = (

@@ -41,7 +41,7 @@ from extproc.config import (
     load_config,
 )
 from extproc.hashing import block_hashes, root_hash
-from extproc.model_fixture import BOS, CHAT_TEMPLATE, SPECIAL_TOKENS
+from extproc.model_fixture import BOS, CHAT_TEMPLATE, DATED_CHAT_TEMPLATE, SPECIAL_TOKENS
 from extproc.prompt import parse_request
 from extproc.router import Router
 
@@ -374,24 +374,12 @@ def test_a_completion_starts_after_the_special_tokens_the_tokeniser_puts_first(
     assert _announced(EndpointCacheEvents(unknown), _events_of(chat, len(chat) // VLLM_BLOCK))
 
 
-# Llama 3.2's shape: a system header with today's date, always, the system message after it.
-DATED_TEMPLATE = (
-    "{{ bos_token }}<|start_header|>system<|end_header|>\n\n"
-    "Today Date: {{ strftime_now('%d %b %Y') }}\n\n"
-    "{% if messages[0]['role'] == 'system' %}{{ messages[0]['content'] }}"
-    "{% set rest = messages[1:] %}{% else %}{% set rest = messages %}{% endif %}<|eot|>"
-    "{% for message in rest %}<|start_header|>{{ message['role'] }}<|end_header|>\n\n"
-    "{{ message['content'] }}<|eot|>{% endfor %}"
-    "{% if add_generation_prompt %}<|start_header|>assistant<|end_header|>\n\n{% endif %}"
-)
-
-
 def test_a_template_that_prints_the_date_is_read_on_every_day(tokenizer_file: Path) -> None:
     """Its start differs every day: the day's layout is learnt when the day comes, and a
     chain rendered the day before (announced after midnight) still reads. A layout learnt
     once, at start-up, reads nothing a week later."""
     clock = {"now": datetime.datetime(2026, 12, 4, 23, 59)}
-    layouts = DatedLayouts(DATED_TEMPLATE, BOS, clock=lambda: clock["now"])
+    layouts = DatedLayouts(DATED_CHAT_TEMPLATE, BOS, clock=lambda: clock["now"])
     assert layouts.dated and not DatedLayouts(CHAT_TEMPLATE, BOS).dated
     translation = Translation(TokenBytes.from_file(tokenizer_file), layouts, MODEL, BLOCK, 4096)
     messages = _first_turn()
@@ -400,7 +388,7 @@ def test_a_template_that_prints_the_date_is_read_on_every_day(tokenizer_file: Pa
     )
 
     def announced_on(day: datetime.datetime, table: EndpointCacheEvents) -> list[int]:
-        render = template_environment(now=day).from_string(DATED_TEMPLATE).render
+        render = template_environment(now=day).from_string(DATED_CHAT_TEMPLATE).render
         text = render(messages=messages, add_generation_prompt=True, bos_token=BOS)
         prompt = _encode(text)
         return _announced(table, _events_of(prompt + _encode(REPLY), len(prompt) // VLLM_BLOCK))
@@ -414,7 +402,9 @@ def test_a_template_that_prints_the_date_is_read_on_every_day(tokenizer_file: Pa
     week_later = datetime.datetime(2026, 12, 12, 9, 0)
     clock["now"] = week_later
     assert announced_on(week_later, EndpointCacheEvents(translation))[:10] == expected[:10].tolist()
-    once = ChatLayout.from_template(DATED_TEMPLATE, BOS, now=datetime.datetime(2026, 12, 4, 12))
+    once = ChatLayout.from_template(
+        DATED_CHAT_TEMPLATE, BOS, now=datetime.datetime(2026, 12, 4, 12)
+    )
     learnt_once = Translation(translation.tokens, once, MODEL, BLOCK, 4096)
     stale = EndpointCacheEvents(learnt_once)
     assert announced_on(week_later, stale)[:10] != expected[:10].tolist()

@@ -8,6 +8,7 @@ router hashes of the conversation's next turn, reply included, as far as vLLM co
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import time
@@ -102,6 +103,32 @@ def _post(address: str, path: str) -> None:
     )
 
 
+@contextlib.contextmanager
+def _listening(
+    server: EventsServer, model_dir: Path | None = None, socket: str | None = None
+) -> Iterator[tuple[cache_events.EndpointCacheEvents, zmq.Socket]]:
+    """A table translating the server's events (its model's files, or ``model_dir``'s) and
+    a SUB socket on them, joined and drained after a reset of the server's cache (blocks
+    cached before would extend parents the table never saw)."""
+    routing = RoutingConfig()
+    translation = cache_events.load_translation(
+        model_dir or server.model_dir,
+        lab.SERVED_MODEL_NAME,
+        routing.block_size_bytes,
+        routing.max_blocks,
+    )
+    subscriber = zmq.Context.instance().socket(zmq.SUB)
+    subscriber.setsockopt(zmq.SUBSCRIBE, b"")
+    subscriber.connect(socket or server.socket)
+    try:
+        time.sleep(0.5)  # a SUB socket misses what is published before it joins
+        _post(server.address, "/reset_prefix_cache")
+        _read_events(subscriber)
+        yield cache_events.EndpointCacheEvents(translation), subscriber
+    finally:
+        subscriber.close(linger=0)
+
+
 def _read_events(subscriber: zmq.Socket, quiet_seconds: float = 1.5) -> list[list[bytes]]:
     """Every message until none came for ``quiet_seconds``."""
     messages = []
@@ -113,21 +140,9 @@ def _read_events(subscriber: zmq.Socket, quiet_seconds: float = 1.5) -> list[lis
 def test_vllms_events_translate_to_the_next_turns_router_hashes(
     vllm_with_events: EventsServer,
 ) -> None:
-    address, socket = vllm_with_events.address, vllm_with_events.socket
-    model_dir = vllm_with_events.model_dir
+    address = vllm_with_events.address
     routing = RoutingConfig()
-    translation = cache_events.load_translation(
-        model_dir, lab.SERVED_MODEL_NAME, routing.block_size_bytes, routing.max_blocks
-    )
-    translator = cache_events.EndpointCacheEvents(translation)
-    context = zmq.Context.instance()
-    subscriber = context.socket(zmq.SUB)
-    subscriber.setsockopt(zmq.SUBSCRIBE, b"")
-    subscriber.connect(socket)
-    try:
-        time.sleep(0.5)  # a SUB socket misses what is published before it joins
-        _post(address, "/reset_prefix_cache")  # blocks cached before the subscriber joined
-        _read_events(subscriber)
+    with _listening(vllm_with_events) as (translator, subscriber):
         messages = [
             {"role": "system", "content": "You answer questions about caches, briefly. " * 12},
             {"role": "user", "content": "Why does a prefix cache need whole blocks? é 中文 " * 6},
@@ -179,8 +194,6 @@ def test_vllms_events_translate_to_the_next_turns_router_hashes(
         assert changes and changes[0][0] is None, changes  # cleared, then what came after
         assert all(held for held, _ in changes[1:]), changes
         assert len(translator) < 10  # the first turn's blocks are gone from the table
-    finally:
-        subscriber.close(linger=0)
 
 
 def test_vllms_events_of_a_completion_translate_to_the_next_requests_router_hashes(
@@ -188,33 +201,11 @@ def test_vllms_events_of_a_completion_translate_to_the_next_requests_router_hash
 ) -> None:
     """A completions prompt (no chat template): its blocks are the router hashes of its
     text, and the reply's blocks those of the next request that carries the context on."""
-    address, socket = vllm_with_events.address, vllm_with_events.socket
     routing = RoutingConfig()
-    translation = cache_events.load_translation(
-        vllm_with_events.model_dir,
-        lab.SERVED_MODEL_NAME,
-        routing.block_size_bytes,
-        routing.max_blocks,
-    )
-    translator = cache_events.EndpointCacheEvents(translation)
-    subscriber = zmq.Context.instance().socket(zmq.SUB)
-    subscriber.setsockopt(zmq.SUBSCRIBE, b"")
-    subscriber.connect(socket)
-    try:
-        time.sleep(0.5)
-        _post(address, "/reset_prefix_cache")
-        _read_events(subscriber)
+    with _listening(vllm_with_events) as (translator, subscriber):
         prompt = "A completion about prefix caches keeps its blocks, é 中文. " * 10
-        reply = _complete(address, prompt)
-        announced = [
-            h
-            for frames in _read_events(subscriber)
-            for held, hashes in translator.apply(cache_events.decode_message(frames)[1])
-            if held
-            for h in hashes.tolist()
-        ]
-    finally:
-        subscriber.close(linger=0)
+        reply = _complete(vllm_with_events.address, prompt)
+        announced = _translated(translator, _read_events(subscriber))
 
     def hashes(text: str) -> list[int]:
         body = json.dumps({"model": lab.SERVED_MODEL_NAME, "prompt": text}).encode()
@@ -233,18 +224,6 @@ def test_vllms_events_of_a_completion_translate_to_the_next_requests_router_hash
     assert translator.untranslated == 0
     assert announced == expected[: len(announced)]
     assert len(announced) > prompt_blocks  # the reply's blocks meet the next request's too
-
-
-# Llama 3.2's shape in the fixture's tokens: a system header with today's date, always.
-DATED_TEMPLATE = (
-    "{{ bos_token }}<|start_header|>system<|end_header|>\n\n"
-    "Today Date: {{ strftime_now('%d %b %Y') }}\n\n"
-    "{% if messages[0]['role'] == 'system' %}{{ messages[0]['content'] }}"
-    "{% set rest = messages[1:] %}{% else %}{% set rest = messages %}{% endif %}<|eot|>"
-    "{% for message in rest %}<|start_header|>{{ message['role'] }}<|end_header|>\n\n"
-    "{{ message['content'] }}<|eot|>{% endfor %}"
-    "{% if add_generation_prompt %}<|start_header|>assistant<|end_header|>\n\n{% endif %}"
-)
 
 
 def test_a_template_that_prints_the_date_reads_on_a_server_whose_day_is_another(
@@ -267,9 +246,9 @@ def test_a_template_that_prints_the_date_reads_on_a_server_whose_day_is_another(
     (tokenizer_dir / "tokenizer.json").write_bytes((model_dir / "tokenizer.json").read_bytes())
     config = json.loads((model_dir / "tokenizer_config.json").read_text())
     (tokenizer_dir / "tokenizer_config.json").write_text(
-        json.dumps({**config, "chat_template": DATED_TEMPLATE})
+        json.dumps({**config, "chat_template": model_fixture.DATED_CHAT_TEMPLATE})
     )
-    (tmp_path / "dated.jinja").write_text(DATED_TEMPLATE)
+    (tmp_path / "dated.jinja").write_text(model_fixture.DATED_CHAT_TEMPLATE)
     python = lab.ensure_vllm_env()
     monkeypatch.setenv("TZ", zone)  # for the server only: this process keeps its zone
     server = lab.start_vllm(
@@ -283,45 +262,32 @@ def test_a_template_that_prints_the_date_reads_on_a_server_whose_day_is_another(
     )
     monkeypatch.delenv("TZ")
     routing = RoutingConfig()
+    dated = EventsServer(server.address, tmp_path, tokenizer_dir)
+    messages = [
+        {"role": "system", "content": "You date your answers, briefly. " * 10},
+        {"role": "user", "content": "Which day is it where the server runs? " * 5},
+    ]
+    try:
+        lab.wait_healthy([server])
+        with _listening(dated) as (by_day_table, subscriber):
+            reply = _chat(server.address, messages)
+            received = _read_events(subscriber)
+    finally:
+        lab.stop_all([server])
     translation = cache_events.load_translation(
         tokenizer_dir, lab.SERVED_MODEL_NAME, routing.block_size_bytes, routing.max_blocks
     )
     assert isinstance(translation.layout, cache_events.DatedLayouts) and translation.layout.dated
-    once = cache_events.ChatLayout.from_template(DATED_TEMPLATE, model_fixture.BOS)
-    tables = {
-        "by day": cache_events.EndpointCacheEvents(translation),
-        "once": cache_events.EndpointCacheEvents(
-            cache_events.Translation(
-                translation.tokens, once, translation.model, translation.block_size, 4096
-            )
-        ),
-    }
-    subscriber = zmq.Context.instance().socket(zmq.SUB)
-    subscriber.setsockopt(zmq.SUBSCRIBE, b"")
-    try:
-        lab.wait_healthy([server])
-        subscriber.connect(f"ipc://{tmp_path}/kv-{server.port}.ipc")
-        time.sleep(0.5)
-        _post(server.address, "/reset_prefix_cache")
-        _read_events(subscriber)
-        messages = [
-            {"role": "system", "content": "You date your answers, briefly. " * 10},
-            {"role": "user", "content": "Which day is it where the server runs? " * 5},
-        ]
-        reply = _chat(server.address, messages)
-        received = _read_events(subscriber)
-    finally:
-        subscriber.close(linger=0)
-        lab.stop_all([server])
-    announced = {}
-    for name, table in tables.items():
-        announced[name] = [
-            h
-            for frames in received
-            for held, hashes in table.apply(cache_events.decode_message(frames)[1])
-            if held
-            for h in hashes.tolist()
-        ]
+    once = cache_events.ChatLayout.from_template(
+        model_fixture.DATED_CHAT_TEMPLATE, model_fixture.BOS
+    )
+    once_table = cache_events.EndpointCacheEvents(
+        cache_events.Translation(
+            translation.tokens, once, translation.model, translation.block_size, 4096
+        )
+    )
+    tables = {"by day": by_day_table, "once": once_table}
+    announced = {name: _translated(table, received) for name, table in tables.items()}
     body = json.dumps(
         {"model": lab.SERVED_MODEL_NAME, "messages": _then(messages, reply, "Go on.")}
     ).encode()
@@ -348,26 +314,13 @@ def test_vllms_events_of_a_salted_chat_translate_with_its_salt(
     """A chat with a ``cache_salt``: vLLM hashes its first block with the salt and publishes
     it among that block's extra keys; the events translate into the router hashes of the
     next turn with the same salt, reply included (and not into the unsalted ones)."""
-    address, socket = vllm_with_events.address, vllm_with_events.socket
+    address = vllm_with_events.address
     routing = RoutingConfig()
-    translation = cache_events.load_translation(
-        vllm_with_events.model_dir,
-        lab.SERVED_MODEL_NAME,
-        routing.block_size_bytes,
-        routing.max_blocks,
-    )
-    translator = cache_events.EndpointCacheEvents(translation)
-    subscriber = zmq.Context.instance().socket(zmq.SUB)
-    subscriber.setsockopt(zmq.SUBSCRIBE, b"")
-    subscriber.connect(socket)
     messages = [
         {"role": "system", "content": "You keep each tenant's cache apart. " * 10},
         {"role": "user", "content": "Which blocks can another tenant reuse? " * 5},
     ]
-    try:
-        time.sleep(0.5)
-        _post(address, "/reset_prefix_cache")
-        _read_events(subscriber)
+    with _listening(vllm_with_events) as (translator, subscriber):
         body = {
             "model": lab.SERVED_MODEL_NAME,
             "messages": messages,
@@ -383,8 +336,6 @@ def test_vllms_events_of_a_salted_chat_translate_with_its_salt(
         with urllib.request.urlopen(request, timeout=120) as response:
             reply = json.load(response)["choices"][0]["message"]["content"]
         received = _read_events(subscriber)
-    finally:
-        subscriber.close(linger=0)
     first_keys = [
         event.get("extra_keys")
         for frames in received[:1]
@@ -458,6 +409,19 @@ def _wait_for_count(admin_port: int, kind: str, at_least: float) -> None:
         time.sleep(0.25)
 
 
+def _wait_until_settled(admin_port: int, quiet_seconds: float = 1.0) -> None:
+    """Until the router's event counters stop moving: a replay of vLLM's buffer (every
+    earlier test's messages too) takes a while after its first message is counted."""
+    deadline = time.monotonic() + 60
+    last, since = _cache_event_counts(admin_port), time.monotonic()
+    while time.monotonic() - since < quiet_seconds:
+        assert time.monotonic() < deadline, last
+        time.sleep(0.2)
+        now = _cache_event_counts(admin_port)
+        if now != last:
+            last, since = now, time.monotonic()
+
+
 def _routed_through(envoy_port: int, admin_port: int, messages: list[dict[str, str]] | str) -> dict:
     """Send a conversation (or a completions prompt) through Envoy; the router's decision."""
     if isinstance(messages, str):
@@ -474,51 +438,42 @@ def _routed_through(envoy_port: int, admin_port: int, messages: list[dict[str, s
         time.sleep(0.1)
 
 
+@pytest.mark.parametrize("api", ["chat", "completions"])
 def test_a_router_learns_from_vllms_events_what_another_router_placed(
-    vllm_with_events: EventsServer,
+    vllm_with_events: EventsServer, api: str
 ) -> None:
     """A real router behind a real Envoy reads vLLM's events: a conversation whose first
     turn reached vLLM without it (as another router replica would send it) is matched on
-    its next turn, the reply's blocks included. Without the events the router has never
-    seen the conversation and matches nothing."""
+    its next turn, the reply's blocks included; so is a completions prompt carried on
+    (prompt, reply, more). Without the events the router has never seen either and matches
+    nothing."""
     address = vllm_with_events.address
     messages = [
         {"role": "system", "content": "You route requests to warm caches. " * 10},
         {"role": "user", "content": "What does a router learn from events? " * 5},
     ]
+    prompt = "Completions carry their whole context in one prompt string. " * 8
     with Stack() as stack:
         # Subscribing only: the replay socket is the next test's.
         args = [*vllm_with_events.router_args(), "--set", "cache_events.replay="]
         admin, envoy = _router_behind_envoy(stack, address, args)
         # Chains cached before it joined would extend parents it never saw (no replay here).
         _post(address, "/reset_prefix_cache")
-        reply = _chat(address, messages)  # straight to vLLM: not through this router
-        _wait_for_count(admin, "stored_blocks", 10)
-        decision = _routed_through(envoy, admin, _then(messages, reply, "Go on."))
+        # Straight to vLLM, not through this router; then the next request through it.
+        if api == "chat":
+            following: list[dict[str, str]] | str = _then(
+                messages, _chat(address, messages), "Go on."
+            )
+            sent_blocks, announced_at_least = _router_blocks(messages), 10
+        else:
+            following = prompt + _complete(address, prompt) + " And then?"
+            sent_blocks = len(prompt.encode()) // RoutingConfig().block_size_bytes
+            announced_at_least = 5
+        _wait_for_count(admin, "stored_blocks", announced_at_least)
+        decision = _routed_through(envoy, admin, following)
         counts = _cache_event_counts(admin)
-        print(f"next turn: {_matched(decision)}; {counts}")
-        assert decision["matched_blocks"] > _router_blocks(messages), (decision, counts)
-        assert decision["endpoint"] == address
-
-
-def test_a_router_learns_from_vllms_events_a_completion_another_router_placed(
-    vllm_with_events: EventsServer,
-) -> None:
-    """As above for the completions API: a prompt sent straight to vLLM, then the context
-    carried on (prompt, reply, more) through Envoy: matched past the prompt."""
-    address = vllm_with_events.address
-    prompt = "Completions carry their whole context in one prompt string. " * 8
-    with Stack() as stack:
-        args = [*vllm_with_events.router_args(), "--set", "cache_events.replay="]
-        admin, envoy = _router_behind_envoy(stack, address, args)
-        _post(address, "/reset_prefix_cache")
-        reply = _complete(address, prompt)  # straight to vLLM: not through this router
-        _wait_for_count(admin, "stored_blocks", 5)
-        decision = _routed_through(envoy, admin, prompt + reply + " And then?")
-        counts = _cache_event_counts(admin)
-        print(f"next request: {_matched(decision)}; {counts}")
-        prompt_blocks = len(prompt.encode()) // RoutingConfig().block_size_bytes
-        assert decision["matched_blocks"] > prompt_blocks, (decision, counts)
+        print(f"{api}, next request: {_matched(decision)}; {counts}")
+        assert decision["matched_blocks"] > sent_blocks, (decision, counts)
         assert decision["endpoint"] == address
 
 
@@ -542,6 +497,7 @@ def test_a_router_that_subscribes_late_replays_what_vllm_published_before(
         admin, envoy = _router_behind_envoy(stack, address, vllm_with_events.router_args())
         second = _chat(address, second_turn)  # straight to vLLM: extends the first chain
         _wait_for_count(admin, "replayed_messages", 1)
+        _wait_until_settled(admin)
         decision = _routed_through(envoy, admin, _then(second_turn, second, "Thanks."))
         counts = _cache_event_counts(admin)
         print(f"third turn: {_matched(decision)}; {counts}")
