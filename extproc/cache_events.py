@@ -409,11 +409,8 @@ class DatedLayouts:
         neighbours'."""
         if not self.dated:  # the same every day
             return self._first.canonical(text, after)
-        parsed = self.today().canonical(text, after)
-        if parsed is not None:
-            return parsed
         today = self._clock().date()
-        for shift in (-1, 1):
+        for shift in (0, -1, 1):
             day = today + datetime.timedelta(days=shift)
             parsed = self.for_day(day).canonical(text, after)
             if parsed is not None:
@@ -506,7 +503,6 @@ class EndpointCacheEvents:
         max_table_blocks: int = MAX_TABLE_BLOCKS,
     ) -> None:
         self.tokens, self.layout = translation.tokens, translation.layout
-        self.completion_prefix = translation.tokens.single_prefix
         self.model = translation.model
         self.block_size, self.max_blocks = translation.block_size, translation.max_blocks
         self._blocks: dict[int, _Block] = {}
@@ -590,10 +586,10 @@ class EndpointCacheEvents:
         completion's rarely does (one that does, a client applying the template itself, is
         read as the chat and meets nothing of the router's: not learnt)."""
         if after is not None and after.open_role == COMPLETION:
-            return completion_parse(text, self.completion_prefix)
+            return completion_parse(text, self.tokens.single_prefix)
         parsed = self.layout.canonical(text, after)
         if parsed is None:
-            return completion_parse(text, self.completion_prefix)
+            return completion_parse(text, self.tokens.single_prefix)
         return parsed
 
     def _chain(self, block: int | None) -> tuple[bytes, int | None] | None:
@@ -730,7 +726,7 @@ def in_pieces(events: list[Any], piece_tokens: int) -> list[list[Any]]:
 
 
 def _longer_chain(event: Any, tokens: int) -> bool:
-    """A well-formed BlockStored of more than ``tokens`` tokens."""
+    """A well-formed BlockStored of more than ``tokens`` tokens (what in_pieces slices)."""
     if not isinstance(event, dict) or event.get("type") != "BlockStored":
         return False
     hashes, size = event.get("block_hashes"), event.get("block_size")
@@ -738,6 +734,7 @@ def _longer_chain(event: Any, tokens: int) -> bool:
         isinstance(hashes, list)
         and isinstance(size, int)
         and size > 0
+        and isinstance(event.get("token_ids") or [], list)
         and len(hashes) * size > tokens
     )
 

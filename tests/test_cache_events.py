@@ -218,6 +218,10 @@ def test_a_long_chain_applied_in_pieces_translates_as_it_does_whole(
     assert got == expected and len(got) > 20 and in_parts.untranslated == 0
     assert len(in_parts) == len(whole)
     assert cache_events.in_pieces([event], piece_tokens=10**6) == [[event]]
+    # Token ids of a shape it cannot slice: left whole (apply refuses it, the subscriber
+    # counts it as malformed), never an error while splitting.
+    odd = {**event, "token_ids": 7}
+    assert cache_events.in_pieces([odd], piece_tokens=5 * VLLM_BLOCK) == [[odd]]
 
 
 def test_the_garbage_collector_stops_tracking_announced_blocks(translation: Translation) -> None:
