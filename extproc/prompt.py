@@ -83,14 +83,8 @@ def frame_head(role: str) -> bytes:
     return head if head is not None else b"\x01" + _escape(role.encode()) + b"\x02"
 
 
-def _frame_parts(role: str, content: bytes) -> tuple[bytes, bytes]:
-    """A message's frame but its closing \\x03: the head (\\x01 role \\x02), the body."""
-    return frame_head(role), _escape(content)
-
-
 def _frame(role: str, content: bytes) -> bytes:
-    head, body = _frame_parts(role, content)
-    return head + body + b"\x03"
+    return frame_head(role) + _escape(content) + b"\x03"
 
 
 def canonical_conversation_start(messages: list[tuple[str, bytes]]) -> tuple[bytes, list[int]]:
