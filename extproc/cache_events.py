@@ -6,7 +6,9 @@ The router hashes a request's canonical bytes (prompt.py), and tokenising each p
 the model server does to meet vLLM's hashes would not fit the hot path: a byte-level BPE
 encode of 32 KiB took ~8 ms here (docs/benchmarks.md), against a budget under 1 ms. So the
 translation runs the other way, off the hot path: a stored chain's token ids decode to the
-exact text the server rendered (byte-level BPE decodes byte for byte), the chat template's
+exact text the server rendered (byte-level BPE decodes byte for byte; SentencePiece-style
+BPE with a space where its tokeniser put a "▁" the text did not have, which the template's
+layout is learnt with, TokenBytes.as_tokenized), the chat template's
 layout, learnt at start-up by rendering probe conversations, splits that text back into
 messages, and their canonical bytes hash as a request carrying those messages would.
 vLLM's own hashes serve only as ids, for parent links and removals.
@@ -14,8 +16,9 @@ vLLM's own hashes serve only as ids, for parent links and removals.
 A chain whose text is not a chat the template rendered is a completions prompt: its text,
 after the special tokens the tokeniser puts first (a BOS), is the router's bytes as they are.
 
-What does not translate is only not learnt (no harm to routing): tokenisers that are not
-byte-level BPE (rejected at start-up), templates whose messages cannot be told apart
+What does not translate is only not learnt (no harm to routing): tokenisers that are
+neither byte-level nor SentencePiece-style BPE as transformers loads a Llama-class one
+(rejected at start-up), templates whose messages cannot be told apart
 (rejected), content the template changes (trimmed whitespace, joined parts), tools,
 multimodal prompts and prompt embeddings (their blocks carry extra keys that change what the
 tokens mean; a cache salt or a LoRA name is read from them), completions sent as token ids
@@ -27,8 +30,9 @@ from __future__ import annotations
 import datetime
 import itertools
 import logging
+import re
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -63,50 +67,91 @@ def byte_level_alphabet() -> dict[int, str]:
 
 
 class TokenBytes:
-    """Each token id's bytes, from a Hugging Face ``tokenizer.json`` (byte-level BPE only).
+    """Each token id's bytes, from a Hugging Face ``tokenizer.json``: byte-level BPE (GPT-2's
+    alphabet: Llama 3, Qwen, ...) or SentencePiece-style BPE ("▁" for a space, ``<0xNN>``
+    byte pieces: Llama 2, Mistral, Phi-3), whose tokens decode to the text plus a space
+    the tokeniser put before some pieces (``prepend``; ``as_tokenized``).
 
     ``single_prefix``: what the tokeniser's post-processor puts before a text it encodes
     alone (Llama 3's ``<|begin_of_text|>``; b"": nothing), which a completions prompt then
     starts with in vLLM's tokens; None: a post-processor this cannot read (completions are
-    then not learnt)."""
+    then not learnt).
 
-    def __init__(self, table: list[bytes], single_prefix: bytes | None = b"") -> None:
+    ``prepend``: where a SentencePiece-style tokeniser puts a "▁" the text did not have, in
+    each piece of the text between added tokens: "never"; "first" (the piece at the
+    text's start, unless it starts with a space: Metaspace's ``prepend_scheme``);
+    "always" (every piece, unless it starts with one); "every" (every piece, even then: a
+    ``Prepend`` normaliser). ``added``: the added tokens' texts, which split the pieces."""
+
+    def __init__(
+        self,
+        table: list[bytes],
+        single_prefix: bytes | None = b"",
+        prepend: str = "never",
+        added: Sequence[str] = (),
+    ) -> None:
         self._table = table
         self.single_prefix = single_prefix
+        if prepend not in PREPEND_SCHEMES:
+            raise ValueError(f"prepend {prepend!r}: one of {PREPEND_SCHEMES}")
+        self.prepend = prepend
+        names = sorted({a for a in added if a}, key=len, reverse=True)
+        self._added = re.compile("|".join(map(re.escape, names))) if names else None
 
     @classmethod
-    def from_file(cls, path: str | Path) -> TokenBytes:
+    def from_file(cls, path: str | Path, config: dict[str, Any] | None = None) -> TokenBytes:
+        """``config``: tokenizer_config.json beside it, which says how transformers
+        rebuilds a SentencePiece-style tokeniser at load (``sentencepiece_prepend``)."""
         spec = orjson.loads(Path(path).read_bytes())
-        decoder = (spec.get("decoder") or {}).get("type")
-        if decoder != "ByteLevel":
+        decoder = spec.get("decoder") or {}
+        if decoder.get("type") == "ByteLevel":
+            _refuse_normalizer(path, spec.get("normalizer"), allowed=("NFC",))
+            table = _byte_level_table(spec)
+            return cls(table, _single_prefix(spec.get("post_processor"), table))
+        if not _is_sentencepiece_decoder(decoder):
             raise ValueError(
-                f"cache_events.tokenizer {path}: decoder {decoder!r}; only byte-level BPE "
-                "tokenisers decode byte for byte (the text vLLM hashed)"
+                f"cache_events.tokenizer {path}: decoder {decoder.get('type')!r}; only "
+                "byte-level BPE and SentencePiece-style BPE tokenisers (a Metaspace or "
+                "'▁'-replacing decoder) decode byte for byte (the text vLLM hashed)"
             )
-        normalizer = spec.get("normalizer") or {}
-        steps = (
-            normalizer.get("normalizers", [])
-            if normalizer.get("type") == "Sequence"
-            else [normalizer]
-        )
-        kinds = [step.get("type") for step in steps if step]
-        if any(kind != "NFC" for kind in kinds):  # NFC: only text not in NFC is missed
+        model = spec.get("model") or {}
+        if model.get("type") != "BPE":
             raise ValueError(
-                f"cache_events.tokenizer {path}: normalizer {kinds!r} changes the text"
+                f"cache_events.tokenizer {path}: a SentencePiece-style {model.get('type')!r} "
+                "model; only BPE (Llama 2, Mistral, Phi-3) is read"
             )
-        to_byte = {c: b for b, c in byte_level_alphabet().items()}
-        vocab: dict[str, int] = spec["model"]["vocab"]
-        table: dict[int, bytes] = {}
-        for token, token_id in vocab.items():
-            try:
-                table[token_id] = bytes(to_byte[c] for c in token)
-            except KeyError:
-                table[token_id] = token.encode()
-        for added in spec.get("added_tokens", []):
-            table[added["id"]] = added["content"].encode()
-        size = max(table) + 1
-        tokens = [table.get(i, b"") for i in range(size)]
-        return cls(tokens, _single_prefix(spec.get("post_processor"), tokens))
+        prepend = sentencepiece_prepend(path, spec, config or {})
+        table = _sentencepiece_table(spec, bool(model.get("byte_fallback")))
+        added = [t.get("content", "") for t in spec.get("added_tokens", [])]
+        return cls(table, _single_prefix(spec.get("post_processor"), table), prepend, added)
+
+    def as_tokenized(self, text: str) -> str:
+        """``text`` as its tokens decode here: with the spaces the tokeniser put before
+        pieces of it (``prepend``). A chat template's renderings go through this, so that
+        its layout is learnt as vLLM's tokens spell it."""
+        if self.prepend == "never":
+            return text
+        out, at = [], 0
+        spans = [m.span() for m in self._added.finditer(text)] if self._added else []
+        for start, end in [*spans, (len(text), len(text))]:
+            piece = text[at:start]
+            if piece and (
+                self.prepend == "every"
+                or (not piece.startswith(" ") and (self.prepend == "always" or at == 0))
+            ):
+                piece = " " + piece
+            out.append(piece)
+            out.append(text[start:end])
+            at = end
+        return "".join(out)
+
+    @property
+    def lead(self) -> bytes:
+        """What a completions prompt's tokens start with after ``single_prefix`` and the
+        prompt did not (a text encoded alone starts a piece at its start): a space, or
+        none. A prompt that starts with a space itself reads as one without (its tokens
+        are the same): not learnt."""
+        return b"" if self.prepend == "never" else b" "
 
     def decode(self, token_ids: list[int]) -> bytes:
         return b"".join(self._pieces(token_ids))
@@ -125,6 +170,120 @@ class TokenBytes:
             except IndexError:
                 pass
         return [table[t] if 0 <= t < len(table) else b"" for t in token_ids]
+
+
+PREPEND_SCHEMES = ("never", "first", "always", "every")
+# tokenizer_config.json classes whose tokeniser transformers (5.x, vLLM 0.32's) loads from
+# tokenizer.json as written; a class with its own constructor rebuilds the pipeline.
+_AS_WRITTEN = (None, "PreTrainedTokenizerFast", "TokenizersBackend")
+_LLAMA_CLASSES = ("LlamaTokenizer", "LlamaTokenizerFast")
+_BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+
+
+def _steps(part: Any) -> list[dict[str, Any]]:
+    """A normaliser / decoder and its steps, a Sequence flattened."""
+    if not isinstance(part, dict):
+        return []
+    if part.get("type") == "Sequence":
+        inner = part.get("normalizers") or part.get("decoders") or []
+        return [step for step in inner if isinstance(step, dict)]
+    return [part]
+
+
+def _refuse_normalizer(path: str | Path, normalizer: Any, allowed: tuple[str, ...]) -> None:
+    kinds = [step.get("type") for step in _steps(normalizer)]
+    if any(kind not in allowed for kind in kinds):  # NFC: only text not in NFC is missed
+        raise ValueError(f"cache_events.tokenizer {path}: normalizer {kinds!r} changes the text")
+
+
+def _is_sentencepiece_decoder(decoder: dict[str, Any]) -> bool:
+    """Metaspace, or Llama's Replace("▁", " ") + ByteFallback + Fuse + Strip(" ")."""
+    if decoder.get("type") == "Metaspace":
+        return decoder.get("replacement", "▁") == "▁"
+    steps = _steps(decoder)
+    replaces = [
+        s
+        for s in steps
+        if s.get("type") == "Replace"
+        and (s.get("pattern") or {}).get("String") == "▁"
+        and s.get("content") == " "
+    ]
+    others = {s.get("type") for s in steps if s not in replaces}
+    strips_space = all(s.get("content") == " " for s in steps if s.get("type") == "Strip")
+    return bool(replaces) and others <= {"ByteFallback", "Fuse", "Strip"} and strips_space
+
+
+def sentencepiece_prepend(path: str | Path, spec: dict[str, Any], config: dict[str, Any]) -> str:
+    """Where the tokeniser vLLM loads puts a "▁" the text did not have (TokenBytes'
+    ``prepend``). transformers 5 (vLLM 0.32's) rebuilds a Llama-class tokeniser at load,
+    whatever tokenizer.json says: no normaliser, and Metaspace prepending "first" unless
+    tokenizer_config.json says ``legacy: true`` ("always") or ``add_prefix_space: false``
+    ("never"). A generic class loads tokenizer.json as written. Any other class: refused
+    (its rebuild is not followed here)."""
+    kind = config.get("tokenizer_class")
+    if kind in _LLAMA_CLASSES:
+        if config.get("add_prefix_space") is False:
+            return "never"
+        return "always" if config.get("legacy") else "first"
+    if kind not in _AS_WRITTEN:
+        raise ValueError(
+            f"cache_events.tokenizer {path}: a SentencePiece-style tokeniser of class "
+            f"{kind!r}, which transformers rebuilds at load in a way this does not follow "
+            f"(read: {', '.join(_LLAMA_CLASSES)} and the generic class)"
+        )
+    normalizer = _steps(spec.get("normalizer"))
+    kinds = [step.get("type") for step in normalizer]
+    prepends = [s for s in normalizer if s.get("type") == "Prepend"]
+    if any(k not in ("Prepend", "Replace") for k in kinds) or any(
+        s.get("prepend") != "▁" for s in prepends
+    ):
+        raise ValueError(f"cache_events.tokenizer {path}: normalizer {kinds!r} changes the text")
+    pre = spec.get("pre_tokenizer")
+    if prepends:
+        if pre:
+            raise ValueError(
+                f"cache_events.tokenizer {path}: a Prepend normaliser and a pre-tokeniser"
+            )
+        return "every"
+    if not pre:
+        return "never"
+    if pre.get("type") != "Metaspace" or pre.get("replacement", "▁") != "▁":
+        raise ValueError(
+            f"cache_events.tokenizer {path}: pre-tokeniser {pre.get('type')!r}; with a "
+            "SentencePiece-style decoder only Metaspace is read"
+        )
+    scheme = pre.get("prepend_scheme") or ("always" if pre.get("add_prefix_space") else "never")
+    if scheme not in ("never", "first", "always"):
+        raise ValueError(f"cache_events.tokenizer {path}: Metaspace prepend_scheme {scheme!r}")
+    return scheme
+
+
+def _byte_level_table(spec: dict[str, Any]) -> list[bytes]:
+    to_byte = {c: b for b, c in byte_level_alphabet().items()}
+    table: dict[int, bytes] = {}
+    for token, token_id in spec["model"]["vocab"].items():
+        try:
+            table[token_id] = bytes(to_byte[c] for c in token)
+        except KeyError:
+            table[token_id] = token.encode()
+    return _with_added(table, spec)
+
+
+def _sentencepiece_table(spec: dict[str, Any], byte_fallback: bool) -> list[bytes]:
+    """Each piece with "▁" as a space; with byte fallback a ``<0xNN>`` piece is that byte
+    (the UTF-8 of a character outside the vocabulary, a byte per piece)."""
+    table: dict[int, bytes] = {}
+    for token, token_id in spec["model"]["vocab"].items():
+        byte = _BYTE_PIECE.fullmatch(token) if byte_fallback else None
+        table[token_id] = bytes([int(byte[1], 16)]) if byte else token.replace("▁", " ").encode()
+    return _with_added(table, spec)
+
+
+def _with_added(table: dict[int, bytes], spec: dict[str, Any]) -> list[bytes]:
+    for added in spec.get("added_tokens", []):
+        table[added["id"]] = added["content"].encode()
+    size = max(table) + 1
+    return [table.get(i, b"") for i in range(size)]
 
 
 def _single_prefix(processor: Any, table: list[bytes]) -> bytes | None:
@@ -196,8 +355,10 @@ class ChatLayout:
         bos_token: str = "",
         eos_token: str = "",
         now: datetime.datetime | None = None,
+        tokenized: Callable[[str], str] | None = None,
     ) -> ChatLayout:
-        """The layout the template renders at ``now`` (default: the clock)."""
+        """The layout the template renders at ``now`` (default: the clock), as the
+        tokens spell it (``tokenized``: TokenBytes.as_tokenized; default: as rendered)."""
         from jinja2 import TemplateError
 
         dated: list[str] = []
@@ -208,7 +369,7 @@ class ChatLayout:
 
         def render(messages: list[tuple[str, str]], generate: bool = False) -> str | None:
             try:
-                return compiled.render(
+                text = compiled.render(
                     messages=[{"role": r, "content": c} for r, c in messages],
                     add_generation_prompt=generate,
                     bos_token=bos_token,
@@ -217,6 +378,7 @@ class ChatLayout:
                 )
             except Exception:  # a template may refuse an order of roles: that pair is unknown
                 return None
+            return tokenized(text) if tokenized is not None else text
 
         first, second = _SENTINEL.format(0), _SENTINEL.format(1)
         starts: dict[str, bytes] = {}
@@ -231,9 +393,13 @@ class ChatLayout:
             prompted = render([(role, first)], generate=True)
             if prompted is not None and prompted.startswith(text) and len(prompted) > len(text):
                 separators[role].append((prompted.split(first)[1].encode(), "assistant"))
-        for role in starts:
+        for role in ROLES:
             for following in ROLES:
+                # A pair alone, else after a user message: Llama 2's and Mistral's templates
+                # refuse a conversation that an assistant message starts.
                 text = render([(role, first), (following, second)])
+                if text is None and role == "assistant":
+                    text = render([("user", "Hello."), (role, first), (following, second)])
                 if text is None or text.count(first) != 1 or text.count(second) != 1:
                     continue
                 between = text.split(first)[1].split(second)[0].encode()
@@ -254,12 +420,19 @@ class ChatLayout:
         ]
         if "system" not in self.starts:
             probe = probe[1:]
-        text = render(probe, generate=True)
-        expected = [(r, c.encode()) for r, c in probe] + [("assistant", b"A reply")]
-        spans = None if text is None else self.split(text.encode() + b"A reply")
-        got = (
-            None if spans is None else [(r, (text.encode() + b"A reply")[a:b]) for r, a, b in spans]
-        )
+        reply = "A reply"
+        prompted = render(probe, generate=True)
+        replied = None if prompted is None else prompted + reply
+        if prompted is not None and prompted == render(probe):
+            # No generation prompt (Llama 2's, Mistral's templates): the reply follows the
+            # prompt as the model writes it, which for these is as the template writes it
+            # after the last message ("[/INST]" then the reply): read it from there.
+            full = render([*probe, ("assistant", reply)])
+            replied = None if full is None else full[: full.rfind(reply) + len(reply)]
+        expected = [(r, c.encode()) for r, c in probe] + [("assistant", reply.encode())]
+        text = None if replied is None else replied.encode()
+        spans = None if text is None else self.split(text)
+        got = None if spans is None or text is None else [(r, text[a:b]) for r, a, b in spans]
         if got != expected:
             raise ValueError(
                 "cache_events.chat_template: its messages cannot be told apart in its output "
@@ -376,8 +549,10 @@ class DatedLayouts:
         bos_token: str = "",
         eos_token: str = "",
         clock: Callable[[], datetime.datetime] = datetime.datetime.now,
+        tokenized: Callable[[str], str] | None = None,
     ) -> None:
         self._template, self._bos, self._eos, self._clock = template, bos_token, eos_token, clock
+        self._tokenized = tokenized
         self._by_day: OrderedDict[datetime.date, ChatLayout] = OrderedDict()
         today = self._clock().date()
         self._first = self._learn(today)  # a template it cannot read fails here, at start-up
@@ -386,7 +561,7 @@ class DatedLayouts:
 
     def _learn(self, day: datetime.date) -> ChatLayout:
         noon = datetime.datetime.combine(day, datetime.time(12))
-        return ChatLayout.from_template(self._template, self._bos, self._eos, noon)
+        return ChatLayout.from_template(self._template, self._bos, self._eos, noon, self._tokenized)
 
     def for_day(self, day: datetime.date) -> ChatLayout:
         layout = self._by_day.get(day)
@@ -421,12 +596,15 @@ class DatedLayouts:
 COMPLETION = "completion"  # Parsed.open_role of a completions prompt's text
 
 
-def completion_parse(text: bytes, prefix: bytes | None) -> Parsed | None:
-    """A completions prompt (its text after the tokeniser's ``prefix``, e.g. a BOS) in the
-    router's bytes, which are the prompt's text itself (prompt.py); None: not one."""
+def completion_parse(text: bytes, prefix: bytes | None, lead: bytes = b"") -> Parsed | None:
+    """A completions prompt (its text after the tokeniser's ``prefix``, e.g. a BOS, and the
+    ``lead`` its tokens put before the prompt, TokenBytes.lead) in the router's bytes,
+    which are the prompt's text itself (prompt.py); None: not one."""
     if prefix is None or not text.startswith(prefix):
         return None
     start = len(prefix)
+    if lead and text.startswith(lead, start):
+        start += len(lead)
     return Parsed(text[start:], [(start, 0, len(text) - start)], start, COMPLETION, 0)
 
 
@@ -586,10 +764,10 @@ class EndpointCacheEvents:
         completion's rarely does (one that does, a client applying the template itself, is
         read as the chat and meets nothing of the router's: not learnt)."""
         if after is not None and after.open_role == COMPLETION:
-            return completion_parse(text, self.tokens.single_prefix)
+            return completion_parse(text, self.tokens.single_prefix, self.tokens.lead)
         parsed = self.layout.canonical(text, after)
         if parsed is None:
-            return completion_parse(text, self.tokens.single_prefix)
+            return completion_parse(text, self.tokens.single_prefix, self.tokens.lead)
         return parsed
 
     def _chain(self, block: int | None) -> tuple[bytes, int | None] | None:
@@ -773,10 +951,13 @@ def load_translation(path: str | Path, model: str, block_size: int, max_blocks: 
     def token_text(value: Any) -> str:
         return value.get("content", "") if isinstance(value, dict) else str(value or "")
 
+    tokens = TokenBytes.from_file(directory / "tokenizer.json", config)
     layout = DatedLayouts(
-        template, token_text(config.get("bos_token")), token_text(config.get("eos_token"))
+        template,
+        token_text(config.get("bos_token")),
+        token_text(config.get("eos_token")),
+        tokenized=tokens.as_tokenized,
     )
-    tokens = TokenBytes.from_file(directory / "tokenizer.json")
     return Translation(tokens, layout, model, block_size, max_blocks)
 
 

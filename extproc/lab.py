@@ -201,17 +201,32 @@ def ensure_model(python: Path, out: Path | None = None, quiet: bool = False) -> 
             return out
         if not quiet:
             print(f"lab: building the tiny model fixture in {out}", file=sys.stderr)
-        env = {**_clean_env(), "PYTHONPATH": str(REPO_ROOT), "HF_HUB_OFFLINE": "1"}
-        done = subprocess.run(
-            [str(python), "-m", "extproc.model_fixture", "--out", str(out)],
-            env=env,
-            stdin=subprocess.DEVNULL,
-            capture_output=True,
-            text=True,
-        )
+        done = _run_fixture(python, out)
         if done.returncode != 0 or not model_fixture.is_complete(out):
             raise RuntimeError(f"model fixture build failed:\n{done.stdout}\n{done.stderr}")
     return out
+
+
+def sentencepiece_tokenizer(
+    python: Path, model_dir: Path, out: Path, legacy: bool | None = None
+) -> Path:
+    """A SentencePiece-style tokeniser (Llama 2's shape) for the tiny model, built in
+    ``out`` by ``python`` (the vLLM env): model_fixture.sentencepiece_tokenizer."""
+    flag = "unset" if legacy is None else str(legacy).lower()
+    done = _run_fixture(python, out, "--sentencepiece-for", str(model_dir), "--legacy", flag)
+    if done.returncode != 0:
+        raise RuntimeError(f"tokeniser fixture build failed:\n{done.stdout}\n{done.stderr}")
+    return out
+
+
+def _run_fixture(python: Path, out: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [str(python), "-m", "extproc.model_fixture", "--out", str(out), *args],
+        env={**_clean_env(), "PYTHONPATH": str(REPO_ROOT), "HF_HUB_OFFLINE": "1"},
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+    )
 
 
 # --------------------------------------------------------------------------- servers

@@ -15,6 +15,9 @@ in the router's: run this module with that environment's interpreter (``extproc.
 
     PYTHONPATH=<repo> <vllm-venv>/bin/python -m extproc.model_fixture --out DIR
 
+``--sentencepiece-for MODEL_DIR`` writes instead a SentencePiece-style tokeniser (Llama 2's
+shape) that the same model serves with vLLM's ``--tokenizer`` (the KV-cache events tests).
+
 The module imports only the standard library at top level, so the router side can compute
 the directory (:func:`default_dir`) and check it (:func:`is_complete`) without torch.
 """
@@ -75,6 +78,24 @@ DATED_CHAT_TEMPLATE = (
     "{% for message in rest %}<|start_header|>{{ message['role'] }}<|end_header|>\n\n"
     "{{ message['content'] }}<|eot|>{% endfor %}"
     "{% if add_generation_prompt %}<|start_header|>assistant<|end_header|>\n\n{% endif %}"
+)
+
+# A SentencePiece-style tokeniser for the same model (sentencepiece_tokenizer): Llama 2 /
+# Mistral's shape, with [INST] and [/INST] as added tokens, as Mistral v0.3 has them, and
+# as theirs, refusing a conversation that an assistant message starts (which a completion's
+# "<s> text" would read as).
+SP_BOS, SP_EOS, SP_UNK = "<s>", "</s>", "<unk>"
+SP_SPECIAL_TOKENS = [SP_UNK, SP_BOS, SP_EOS, "[INST]", "[/INST]"]
+SP_CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% for message in messages %}"
+    "{% if message['role'] == 'assistant' and (loop.first or messages[loop.index0 - 1]['role']"
+    " == 'system') %}{{ raise_exception('A conversation starts with a user message') }}"
+    "{% endif %}"
+    "{% if message['role'] == 'system' %}<<SYS>>\n{{ message['content'] }}\n<</SYS>>\n\n"
+    "{% elif message['role'] == 'user' %}[INST] {{ message['content'] }} [/INST]"
+    "{% else %}{{ message['content'] }}{{ eos_token }}{% endif %}"
+    "{% endfor %}"
 )
 
 # Words for the training corpus: common English, the domain words of the project's workloads,
@@ -193,12 +214,98 @@ def build(out: Path) -> Path:
     return out
 
 
+def sentencepiece_tokenizer(out: Path, vocab_size: int, legacy: bool | None = None) -> Path:
+    """A Llama-class SentencePiece-style tokeniser (BPE with byte fallback, "▁" for spaces,
+    ``<0xNN>`` byte pieces in the vocabulary, a BOS by its post-processor), trained on the
+    fixture's corpus, of at most ``vocab_size`` tokens so that the tiny model serves it
+    (vLLM's ``--tokenizer``). ``legacy`` goes to tokenizer_config.json (None: left out),
+    where transformers reads it when it rebuilds a Llama tokeniser at load: unset or false
+    puts a "▁" before the text's start only, true before every piece between added tokens.
+    Needs the tokenizers and transformers packages (the vLLM environment)."""
+    from tokenizers import Tokenizer, decoders, models, normalizers, processors, trainers
+
+    byte_pieces = [f"<0x{b:02X}>" for b in range(256)]
+    tokenizer = Tokenizer(models.BPE(unk_token=SP_UNK, byte_fallback=True, fuse_unk=True))
+    tokenizer.normalizer = normalizers.Sequence(
+        [normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")]
+    )
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        min_frequency=2,
+        special_tokens=SP_SPECIAL_TOKENS + byte_pieces,
+        show_progress=False,
+    )
+    seed = int(RECIPE["seed"])  # type: ignore[call-overload]
+    tokenizer.train_from_iterator(corpus(20000, seed), trainer=trainer)
+    tokenizer.post_processor = processors.TemplateProcessing(
+        single=f"{SP_BOS} $A",
+        pair=f"{SP_BOS} $A {SP_BOS} $B",
+        special_tokens=[(SP_BOS, tokenizer.token_to_id(SP_BOS))],
+    )
+    tokenizer.decoder = decoders.Sequence(
+        [
+            decoders.Replace("▁", " "),
+            decoders.ByteFallback(),
+            decoders.Fuse(),
+            decoders.Strip(" ", 1, 0),
+        ]
+    )
+    spec = json.loads(tokenizer.to_str())
+    # As Llama's own files have them: the byte pieces in the vocabulary only, not added
+    # tokens (the trainer adds them as both), and no normalizer (Metaspace splits instead).
+    spec["added_tokens"] = [t for t in spec["added_tokens"] if t["content"] not in byte_pieces]
+    spec["normalizer"] = None
+    spec["pre_tokenizer"] = {
+        "type": "Metaspace",
+        "replacement": "▁",
+        "prepend_scheme": "first",
+        "split": False,
+    }
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "tokenizer.json").write_text(json.dumps(spec, ensure_ascii=False) + "\n")
+    config: dict[str, object] = {
+        "tokenizer_class": "LlamaTokenizer",
+        "bos_token": SP_BOS,
+        "eos_token": SP_EOS,
+        "unk_token": SP_UNK,
+        "add_bos_token": True,
+        "add_eos_token": False,
+        "clean_up_tokenization_spaces": False,
+        "model_max_length": RECIPE["model"]["max_position_embeddings"],  # type: ignore[index]
+        "chat_template": SP_CHAT_TEMPLATE,
+    }
+    if legacy is not None:
+        config["legacy"] = legacy
+    (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
+    (out / "special_tokens_map.json").write_text(
+        json.dumps({"bos_token": SP_BOS, "eos_token": SP_EOS, "unk_token": SP_UNK}) + "\n"
+    )
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True, help="directory to build (skipped if complete)")
     parser.add_argument("--force", action="store_true", help="rebuild even if complete")
+    parser.add_argument(
+        "--sentencepiece-for",
+        metavar="MODEL_DIR",
+        help="instead: write a SentencePiece-style tokeniser for that model into --out",
+    )
+    parser.add_argument(
+        "--legacy",
+        choices=("unset", "true", "false"),
+        default="unset",
+        help="with --sentencepiece-for: tokenizer_config.json's legacy",
+    )
     args = parser.parse_args(argv)
     out = Path(args.out).expanduser()
+    if args.sentencepiece_for:
+        config = json.loads((Path(args.sentencepiece_for) / "config.json").read_text())
+        legacy = None if args.legacy == "unset" else args.legacy == "true"
+        sentencepiece_tokenizer(out, int(config["vocab_size"]), legacy)
+        print(f"model fixture: a SentencePiece-style tokeniser in {out}")
+        return 0
     if is_complete(out) and not args.force:
         print(f"model fixture: {out} is complete ({recipe_hash()})")
         return 0

@@ -20,7 +20,7 @@ import pytest
 import zmq
 import zmq.asyncio
 
-from extproc import cache_events, cache_subscriber
+from extproc import cache_events, cache_subscriber, model_fixture
 from extproc.bench_events import stored_event
 from extproc.cache_events import (
     ChatLayout,
@@ -507,12 +507,16 @@ def test_templates_and_tokenisers_it_cannot_invert_are_refused(tmp_path: Path) -
         ChatLayout.from_template("{% for m in messages %}{{ m['content'] }}\n{% endfor %}")
     with pytest.raises(ValueError, match="does not compile"):
         ChatLayout.from_template("{% for m in messages %}")
-    sentencepiece = tmp_path / "tokenizer.json"
-    sentencepiece.write_bytes(
-        orjson.dumps({"decoder": {"type": "Metaspace"}, "model": {"vocab": {}}})
+    wordpiece = tmp_path / "tokenizer.json"
+    wordpiece.write_bytes(orjson.dumps({"decoder": {"type": "WordPiece"}, "model": {}}))
+    with pytest.raises(ValueError, match="only byte-level BPE and SentencePiece-style"):
+        TokenBytes.from_file(wordpiece)
+    unigram = tmp_path / "unigram.json"
+    unigram.write_bytes(
+        orjson.dumps({"decoder": {"type": "Metaspace"}, "model": {"type": "Unigram"}})
     )
-    with pytest.raises(ValueError, match="only byte-level"):
-        TokenBytes.from_file(sentencepiece)
+    with pytest.raises(ValueError, match="'Unigram' model; only BPE"):
+        TokenBytes.from_file(unigram)
     lowercase = tmp_path / "lowercase.json"
     spec = {"decoder": {"type": "ByteLevel"}, "model": {"vocab": {"a": 0}}}
     lowercase.write_bytes(orjson.dumps({**spec, "normalizer": {"type": "Lowercase"}}))
@@ -913,3 +917,208 @@ def test_the_conversation_start_is_a_prefix_of_the_requests_bytes_escaping_inclu
     assert whole.startswith(start) and len(whole) == len(start) + 1  # only the last \x03
     assert whole[content_starts[1] :].startswith(b"and a question")
     assert content_starts[0] == len(b"\x01system\x02")
+
+
+# -- SentencePiece-style tokenisers (Llama 2, Mistral, Phi-3) ------------------------------
+# One piece per character, "▁" for a space (and "▁x" for a space and a character, as the
+# real ones merge them), <0xNN> byte pieces for what is not ASCII, [INST] and [/INST] whole:
+# real vLLM with the fixture's trained tokeniser is tests/e2e/test_cache_events.py's.
+SP_ADDED = model_fixture.SP_SPECIAL_TOKENS
+SP_PIECES = [
+    *SP_ADDED,
+    *(f"<0x{b:02X}>" for b in range(256)),
+    "▁",
+    *(chr(c) for c in range(0x21, 0x7F)),
+    *("▁" + chr(c) for c in range(0x21, 0x7F)),
+]
+SP_VOCAB = {piece: i for i, piece in enumerate(SP_PIECES)}
+SP_BOS_ID = SP_VOCAB[model_fixture.SP_BOS]
+
+
+def _sp_spec(normalizer: object = None, pre: object = "first") -> dict[str, object]:
+    return {
+        "normalizer": normalizer,
+        "pre_tokenizer": None
+        if pre is None
+        else {"type": "Metaspace", "replacement": "▁", "prepend_scheme": pre, "split": False},
+        "decoder": {
+            "type": "Sequence",
+            "decoders": [
+                {"type": "Replace", "pattern": {"String": "▁"}, "content": " "},
+                {"type": "ByteFallback"},
+                {"type": "Fuse"},
+                {"type": "Strip", "content": " ", "start": 1, "stop": 0},
+            ],
+        },
+        "model": {"type": "BPE", "byte_fallback": True, "vocab": SP_VOCAB},
+        "added_tokens": [{"id": i, "content": t, "special": True} for i, t in enumerate(SP_ADDED)],
+        "post_processor": {
+            "type": "TemplateProcessing",
+            "single": [{"SpecialToken": {"id": "<s>", "type_id": 0}}, {"Sequence": {"id": "A"}}],
+            "special_tokens": {"<s>": {"id": "<s>", "ids": [SP_BOS_ID]}},
+        },
+    }
+
+
+def _sp_encode(text: str, prepend: str) -> list[int]:
+    """``text`` as a SentencePiece-style tokeniser with ``prepend`` encodes it: split at the
+    added tokens, a "▁" put before each piece as the scheme says, spaces as "▁"."""
+    ids: list[int] = []
+    at = 0
+    while at < len(text):
+        added = next((t for t in SP_ADDED if text.startswith(t, at)), None)
+        if added:
+            ids.append(SP_VOCAB[added])
+            at += len(added)
+            continue
+        end = min([len(text)] + [k for t in SP_ADDED if (k := text.find(t, at)) >= 0])
+        piece = text[at:end]
+        if prepend == "every" or (
+            not piece.startswith(" ") and (prepend == "always" or (prepend == "first" and at == 0))
+        ):
+            piece = " " + piece
+        ids += _sp_pieces(piece.replace(" ", "▁"))
+        at = end
+    return ids
+
+
+def _sp_pieces(piece: str) -> list[int]:
+    ids, k = [], 0
+    while k < len(piece):
+        pair = piece[k : k + 2]
+        if pair in SP_VOCAB and len(pair) == 2:
+            ids.append(SP_VOCAB[pair])
+            k += 2
+        elif piece[k] in SP_VOCAB:
+            ids.append(SP_VOCAB[piece[k]])
+            k += 1
+        else:
+            ids += [SP_VOCAB[f"<0x{b:02X}>"] for b in piece[k].encode()]
+            k += 1
+    return ids
+
+
+SP_CASES = [  # (tokenizer.json's normaliser, pre-tokeniser, tokenizer_config.json) -> prepend
+    (None, "first", {"tokenizer_class": "LlamaTokenizer"}, "first"),
+    (None, "first", {"tokenizer_class": "LlamaTokenizerFast", "legacy": True}, "always"),
+    (None, "always", {"tokenizer_class": "LlamaTokenizer", "legacy": False}, "first"),
+    (None, "first", {"tokenizer_class": "LlamaTokenizer", "add_prefix_space": False}, "never"),
+    (None, "always", {"tokenizer_class": "PreTrainedTokenizerFast"}, "always"),
+    (None, None, {}, "never"),
+    (
+        {
+            "type": "Sequence",
+            "normalizers": [
+                {"type": "Prepend", "prepend": "▁"},
+                {"type": "Replace", "pattern": {"String": " "}, "content": "▁"},
+            ],
+        },
+        None,
+        {},
+        "every",
+    ),
+]
+
+
+def _sp_tokens(tmp_path: Path, normalizer: object, pre: object, config: dict) -> TokenBytes:
+    path = tmp_path / "sp.json"
+    path.write_bytes(orjson.dumps(_sp_spec(normalizer, pre)))
+    return TokenBytes.from_file(path, config)
+
+
+@pytest.mark.parametrize(("normalizer", "pre", "config", "prepend"), SP_CASES)
+def test_a_sentencepiece_tokeniser_is_read_as_transformers_loads_it(
+    tmp_path: Path, normalizer: object, pre: object, config: dict, prepend: str
+) -> None:
+    tokens = _sp_tokens(tmp_path, normalizer, pre, config)
+    assert tokens.prepend == prepend
+    assert tokens.single_prefix == b"<s>"
+    text = "<s><<SYS>>\nBe brief é.[INST] Why  中文? [/INST]"
+    spelt = tokens.as_tokenized(text)
+    assert tokens.decode(_sp_encode(text, prepend)) == spelt.encode()
+    expected = {
+        "never": text,
+        "first": text,  # the text starts with an added token: no piece at its start
+        "always": "<s> <<SYS>>\nBe brief é.[INST] Why  中文? [/INST]",
+        "every": "<s> <<SYS>>\nBe brief é.[INST]  Why  中文? [/INST]",
+    }[prepend]
+    assert spelt == expected
+    assert tokens.as_tokenized("plain") == ("plain" if prepend == "never" else " plain")
+    assert tokens.as_tokenized(" x") == (" x" if prepend != "every" else "  x")
+
+
+def test_sentencepiece_tokenisers_it_does_not_follow_are_refused(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="class 'GemmaTokenizer'"):
+        _sp_tokens(tmp_path, None, "first", {"tokenizer_class": "GemmaTokenizer"})
+    with pytest.raises(ValueError, match=r"normalizer \['NFKC'\]"):
+        _sp_tokens(tmp_path, {"type": "NFKC"}, None, {})
+    with pytest.raises(ValueError, match="prepend_scheme 'sometimes'"):
+        _sp_tokens(tmp_path, None, "sometimes", {})
+
+
+@pytest.mark.parametrize(("normalizer", "pre", "config", "prepend"), SP_CASES)
+def test_a_sentencepiece_chat_translates_to_the_next_turns_router_hashes(
+    tmp_path: Path, normalizer: object, pre: object, config: dict, prepend: str
+) -> None:
+    """vLLM renders the template, encodes it without special tokens added, generates a
+    reply after it: each scheme's tokens translate into the next turn's router hashes."""
+    tokens = _sp_tokens(tmp_path, normalizer, pre, config)
+    template = model_fixture.SP_CHAT_TEMPLATE
+    layout = ChatLayout.from_template(
+        template, model_fixture.SP_BOS, model_fixture.SP_EOS, tokenized=tokens.as_tokenized
+    )
+    table = EndpointCacheEvents(Translation(tokens, layout, MODEL, BLOCK, 4096))
+    messages = _first_turn()
+    following = [*messages, {"role": "assistant", "content": REPLY}]
+
+    def encoded(conversation: list[dict[str, str]]) -> list[int]:
+        rendered = (
+            template_environment()
+            .from_string(template)
+            .render(
+                messages=conversation,
+                bos_token=model_fixture.SP_BOS,
+                eos_token=model_fixture.SP_EOS,
+            )
+        )
+        return _sp_encode(rendered, prepend)
+
+    # The reply generated after [/INST] as the template spells it in the next turn (a
+    # trained model's habit), its </s> not yet.
+    prompt_ids, ids = encoded(messages), encoded(following)[:-1]
+    assert ids[: len(prompt_ids)] == prompt_ids
+    events = _events_of(ids, len(prompt_ids) // VLLM_BLOCK)
+    announced = [h for held, hashes in table.apply(events) if held for h in hashes.tolist()]
+    expected = _router_hashes([*following, {"role": "user", "content": "Go on."}]).tolist()
+    assert table.untranslated == 0
+    assert announced == expected[: len(announced)]
+    assert len(announced) >= len(_router_hashes(following)) - 1  # the reply's blocks too
+
+
+@pytest.mark.parametrize(("normalizer", "pre", "config", "prepend"), SP_CASES)
+def test_a_sentencepiece_completion_translates_without_the_space_put_before_it(
+    tmp_path: Path, normalizer: object, pre: object, config: dict, prepend: str
+) -> None:
+    tokens = _sp_tokens(tmp_path, normalizer, pre, config)
+    layout = ChatLayout.from_template(
+        model_fixture.SP_CHAT_TEMPLATE,
+        model_fixture.SP_BOS,
+        model_fixture.SP_EOS,
+        tokenized=tokens.as_tokenized,
+    )
+    table = EndpointCacheEvents(Translation(tokens, layout, MODEL, BLOCK, 4096))
+    prompt = "A completion keeps its blocks, é 中文. " * 8
+    ids = [SP_BOS_ID, *_sp_encode(prompt, prepend)]  # the post-processor's BOS, then the text
+    announced = [
+        h
+        for held, hashes in table.apply(_events_of(ids, len(ids) // VLLM_BLOCK))
+        if held
+        for h in hashes.tolist()
+    ]
+    body = json.dumps({"model": MODEL, "prompt": prompt}).encode()
+    expected = block_hashes(
+        parse_request("completions", body).prompt, root_hash(MODEL), BLOCK, 4096
+    )
+    assert table.untranslated == 0
+    assert announced == expected[: len(announced)].tolist()
+    assert len(announced) >= len(prompt.encode()) // BLOCK - 1

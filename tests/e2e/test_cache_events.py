@@ -308,6 +308,85 @@ def test_a_template_that_prints_the_date_reads_on_a_server_whose_day_is_another(
     assert announced["once"][:4] != expected[:4]
 
 
+@pytest.mark.parametrize("legacy", [None, True], ids=["prepend-first", "legacy-always"])
+def test_a_sentencepiece_tokenisers_events_translate_to_the_router_hashes(
+    vllm_with_events: EventsServer, tmp_path: Path, legacy: bool | None
+) -> None:
+    """A SentencePiece-style tokeniser (Llama 2 / Mistral's: "▁" for spaces, <0xNN> byte
+    pieces, [INST] added tokens), served by a second vLLM for the same model
+    (``--tokenizer``), as transformers loads it: a "▁" before the text's start only
+    (``legacy`` unset), or before every piece between added tokens (``legacy: true``).
+    A chat's events translate into its next turn's router hashes, a completion's into
+    the next request's (its prompt's first "▁" is not the prompt's), replies included
+    where the template spells them as the model wrote them."""
+    python = lab.ensure_vllm_env()
+    model_dir = vllm_with_events.model_dir
+    tokenizer_dir = lab.sentencepiece_tokenizer(python, model_dir, tmp_path / "sp", legacy)
+    server = lab.start_vllm(
+        python,
+        model_dir,
+        "vllm-sentencepiece",
+        lab.core_for(1),
+        tmp_path,
+        extra_args=["--tokenizer", str(tokenizer_dir)],
+        kv_events_dir=tmp_path,
+    )
+    routing = RoutingConfig()
+    messages = [
+        {"role": "system", "content": "You answer in short sentences. " * 6},
+        {"role": "user", "content": "Why do pieces start with a space? é 中文 " * 4},
+    ]
+    prompt = "A completion about prefix caches, é 中文. " * 6
+    try:
+        lab.wait_healthy([server])
+        with _listening(EventsServer(server.address, tmp_path, tokenizer_dir)) as (
+            table,
+            subscriber,
+        ):
+            reply = _chat(server.address, messages)
+            chat = _translated(table, _read_events(subscriber))
+            chat_untranslated = table.untranslated
+            completion = _complete(server.address, prompt)
+            completed = _translated(table, _read_events(subscriber))
+    finally:
+        lab.stop_all([server])
+    assert table.tokens.prepend == ("always" if legacy else "first")
+    body = json.dumps(
+        {"model": lab.SERVED_MODEL_NAME, "messages": _then(messages, reply, "Go on.")}
+    ).encode()
+    root = root_hash(lab.SERVED_MODEL_NAME)
+    expected = block_hashes(
+        parse_request("chat", body).prompt, root, routing.block_size_bytes, routing.max_blocks
+    ).tolist()
+    body = json.dumps({"model": lab.SERVED_MODEL_NAME, "prompt": prompt + completion}).encode()
+    expected_completion = block_hashes(
+        parse_request("completions", body).prompt,
+        root,
+        routing.block_size_bytes,
+        routing.max_blocks,
+    ).tolist()
+    print(
+        f"prepend {table.tokens.prepend}: chat {len(chat)} router blocks announced, "
+        f"{sum(a == b for a, b in zip(chat, expected, strict=False))} equal to the next "
+        f"turn's (first turn {_router_blocks(messages)}, next {len(expected)}; reply "
+        f"{reply[:40]!r}); completion {len(completed)} announced, "
+        f"{sum(a == b for a, b in zip(completed, expected_completion, strict=False))} equal "
+        f"(prompt {len(prompt.encode()) // routing.block_size_bytes}); untranslated vLLM "
+        f"blocks {chat_untranslated}, {table.untranslated}"
+    )
+    first_turn = _router_blocks(messages)
+    assert chat_untranslated == 0 and len(chat) >= first_turn
+    assert chat[:first_turn] == expected[:first_turn]  # the prompt, exactly
+    if not legacy:
+        # The reply too: the model wrote it right after [/INST], as the template does.
+        assert chat == expected[: len(chat)] and len(chat) > first_turn
+    # With legacy (a "▁" before every piece after an added token) the template spells the
+    # next turn's reply "[/INST]▁her…" where the model wrote "[/INST]her…": vLLM cannot reuse
+    # those blocks either (other tokens), and what they translate into meets no request.
+    assert completed == expected_completion[: len(completed)]
+    assert len(completed) >= len(prompt.encode()) // routing.block_size_bytes - 1
+
+
 def test_vllms_events_of_a_salted_chat_translate_with_its_salt(
     vllm_with_events: EventsServer,
 ) -> None:
