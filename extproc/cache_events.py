@@ -88,15 +88,24 @@ class TokenBytes:
         table: list[bytes],
         single_prefix: bytes | None = b"",
         prepend: str = "never",
-        added: Sequence[str] = (),
+        added: Sequence[AddedToken] = (),
     ) -> None:
         self._table = table
         self.single_prefix = single_prefix
         if prepend not in PREPEND_SCHEMES:
             raise ValueError(f"prepend {prepend!r}: one of {PREPEND_SCHEMES}")
         self.prepend = prepend
-        names = sorted({a for a in added if a}, key=len, reverse=True)
-        self._added = re.compile("|".join(map(re.escape, names))) if names else None
+        tokens = sorted({a for a in added if a.content}, key=lambda a: -len(a.content))
+        # Each added token as the tokeniser matches it: with the whitespace it absorbs
+        # beside it (lstrip / rstrip: Phi-3's markers), which its id then does not spell.
+        patterns = [
+            ("\\s*" if a.lstrip else "")
+            + f"({re.escape(a.content)})"
+            + ("\\s*" if a.rstrip else "")
+            for a in tokens
+        ]
+        self._added = re.compile("|".join(patterns)) if patterns else None
+        self._strips = any(a.lstrip or a.rstrip for a in tokens)
 
     @classmethod
     def from_file(cls, path: str | Path, config: dict[str, Any] | None = None) -> TokenBytes:
@@ -107,7 +116,8 @@ class TokenBytes:
         if decoder.get("type") == "ByteLevel":
             _refuse_normalizer(path, spec.get("normalizer"), allowed=("NFC",))
             table = _byte_level_table(spec)
-            return cls(table, _single_prefix(spec.get("post_processor"), table))
+            added = _added_tokens(spec)
+            return cls(table, _single_prefix(spec.get("post_processor"), table), added=added)
         if not _is_sentencepiece_decoder(decoder):
             raise ValueError(
                 f"cache_events.tokenizer {path}: decoder {decoder.get('type')!r}; only "
@@ -122,28 +132,36 @@ class TokenBytes:
             )
         prepend = sentencepiece_prepend(path, spec, config or {})
         table = _sentencepiece_table(spec, bool(model.get("byte_fallback")))
-        added = [t.get("content", "") for t in spec.get("added_tokens", [])]
+        added = _added_tokens(spec)
         return cls(table, _single_prefix(spec.get("post_processor"), table), prepend, added)
 
     def as_tokenized(self, text: str) -> str:
         """``text`` as its tokens decode here: with the spaces the tokeniser put before
-        pieces of it (``prepend``). A chat template's renderings go through this, so that
-        its layout is learnt as vLLM's tokens spell it."""
-        if self.prepend == "never":
+        pieces of it (``prepend``), without the whitespace an added token absorbed beside
+        it. A chat template's renderings go through this, so that its layout is learnt as
+        vLLM's tokens spell it."""
+        if self.prepend == "never" and not self._strips:
             return text
         out, at = [], 0
-        spans = [m.span() for m in self._added.finditer(text)] if self._added else []
-        for start, end in [*spans, (len(text), len(text))]:
+        matches = list(self._added.finditer(text)) if self._added is not None else []
+        for start, end, content in [
+            *((m.start(), m.end(), m.group(m.lastindex or 0)) for m in matches),
+            (len(text), len(text), ""),
+        ]:
             piece = text[at:start]
-            if piece and (
-                self.prepend == "every"
-                or (not piece.startswith(" ") and (self.prepend == "always" or at == 0))
-            ):
+            if piece and self._prepends(piece, at):
                 piece = " " + piece
-            out.append(piece)
-            out.append(text[start:end])
+            out += (piece, content)
             at = end
         return "".join(out)
+
+    def _prepends(self, piece: str, at: int) -> bool:
+        """Whether the tokeniser put a "▁" before this piece of a text (at offset ``at``)."""
+        if self.prepend == "every":
+            return True
+        if self.prepend == "never" or piece.startswith(" "):
+            return False
+        return self.prepend == "always" or at == 0
 
     @property
     def lead(self) -> bytes:
@@ -256,6 +274,22 @@ def sentencepiece_prepend(path: str | Path, spec: dict[str, Any], config: dict[s
     if scheme not in ("never", "first", "always"):
         raise ValueError(f"cache_events.tokenizer {path}: Metaspace prepend_scheme {scheme!r}")
     return scheme
+
+
+class AddedToken(NamedTuple):
+    """An added token's text, and whether it absorbs the whitespace before / after it."""
+
+    content: str
+    lstrip: bool = False
+    rstrip: bool = False
+
+
+def _added_tokens(spec: dict[str, Any]) -> list[AddedToken]:
+    return [
+        AddedToken(t.get("content", ""), bool(t.get("lstrip")), bool(t.get("rstrip")))
+        for t in spec.get("added_tokens", [])
+        if isinstance(t, dict)
+    ]
 
 
 def _byte_level_table(spec: dict[str, Any]) -> list[bytes]:
