@@ -195,6 +195,7 @@ PREPEND_SCHEMES = ("never", "first", "always", "every")
 # tokenizer.json as written; a class with its own constructor rebuilds the pipeline.
 _AS_WRITTEN = (None, "PreTrainedTokenizerFast", "TokenizersBackend")
 _LLAMA_CLASSES = ("LlamaTokenizer", "LlamaTokenizerFast")
+_GEMMA_CLASSES = ("GemmaTokenizer", "GemmaTokenizerFast")  # rebuilt: no "▁" put anywhere
 _BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 
 
@@ -236,6 +237,7 @@ def sentencepiece_prepend(path: str | Path, spec: dict[str, Any], config: dict[s
     ``prepend``). transformers 5 (vLLM 0.32's) rebuilds a Llama-class tokeniser at load,
     whatever tokenizer.json says: no normaliser, and Metaspace prepending "first" unless
     tokenizer_config.json says ``legacy: true`` ("always") or ``add_prefix_space: false``
+    ("never"); a Gemma-class one with spaces as "▁" and nothing put before pieces
     ("never"). A generic class loads tokenizer.json as written. Any other class: refused
     (its rebuild is not followed here)."""
     kind = config.get("tokenizer_class")
@@ -243,11 +245,13 @@ def sentencepiece_prepend(path: str | Path, spec: dict[str, Any], config: dict[s
         if config.get("add_prefix_space") is False:
             return "never"
         return "always" if config.get("legacy") else "first"
+    if kind in _GEMMA_CLASSES:
+        return "never"
     if kind not in _AS_WRITTEN:
         raise ValueError(
             f"cache_events.tokenizer {path}: a SentencePiece-style tokeniser of class "
             f"{kind!r}, which transformers rebuilds at load in a way this does not follow "
-            f"(read: {', '.join(_LLAMA_CLASSES)} and the generic class)"
+            f"(read: {', '.join(_LLAMA_CLASSES + _GEMMA_CLASSES)} and the generic class)"
         )
     normalizer = _steps(spec.get("normalizer"))
     kinds = [step.get("type") for step in normalizer]

@@ -208,12 +208,21 @@ def ensure_model(python: Path, out: Path | None = None, quiet: bool = False) -> 
 
 
 def sentencepiece_tokenizer(
-    python: Path, model_dir: Path, out: Path, legacy: bool | None = None
+    python: Path,
+    model_dir: Path,
+    out: Path,
+    legacy: bool | None = None,
+    tokenizer_class: str = "LlamaTokenizer",
 ) -> Path:
     """A SentencePiece-style tokeniser (Llama 2's shape) for the tiny model, built in
     ``out`` by ``python`` (the vLLM env): model_fixture.sentencepiece_tokenizer."""
     flag = "unset" if legacy is None else str(legacy).lower()
-    done = _run_fixture(python, out, "--sentencepiece-for", str(model_dir), "--legacy", flag)
+    done = _run_fixture(
+        python,
+        out,
+        *("--sentencepiece-for", str(model_dir), "--legacy", flag),
+        *("--tokenizer-class", tokenizer_class),
+    )
     if done.returncode != 0:
         raise RuntimeError(f"tokeniser fixture build failed:\n{done.stdout}\n{done.stderr}")
     return out

@@ -214,13 +214,16 @@ def build(out: Path) -> Path:
     return out
 
 
-def sentencepiece_tokenizer(out: Path, vocab_size: int, legacy: bool | None = None) -> Path:
+def sentencepiece_tokenizer(
+    out: Path, vocab_size: int, legacy: bool | None = None, tokenizer_class: str = "LlamaTokenizer"
+) -> Path:
     """A Llama-class SentencePiece-style tokeniser (BPE with byte fallback, "▁" for spaces,
     ``<0xNN>`` byte pieces in the vocabulary, a BOS by its post-processor), trained on the
     fixture's corpus, of at most ``vocab_size`` tokens so that the tiny model serves it
     (vLLM's ``--tokenizer``). ``legacy`` goes to tokenizer_config.json (None: left out),
     where transformers reads it when it rebuilds a Llama tokeniser at load: unset or false
-    puts a "▁" before the text's start only, true before every piece between added tokens.
+    puts a "▁" before the text's start only, true before every piece between added tokens;
+    ``tokenizer_class`` "GemmaTokenizer" is rebuilt to put none anywhere.
     Needs the tokenizers and transformers packages (the vLLM environment)."""
     from tokenizers import Tokenizer, decoders, models, normalizers, processors, trainers
 
@@ -264,7 +267,7 @@ def sentencepiece_tokenizer(out: Path, vocab_size: int, legacy: bool | None = No
     out.mkdir(parents=True, exist_ok=True)
     (out / "tokenizer.json").write_text(json.dumps(spec, ensure_ascii=False) + "\n")
     config: dict[str, object] = {
-        "tokenizer_class": "LlamaTokenizer",
+        "tokenizer_class": tokenizer_class,
         "bos_token": SP_BOS,
         "eos_token": SP_EOS,
         "unk_token": SP_UNK,
@@ -293,6 +296,11 @@ def main(argv: list[str] | None = None) -> int:
         help="instead: write a SentencePiece-style tokeniser for that model into --out",
     )
     parser.add_argument(
+        "--tokenizer-class",
+        default="LlamaTokenizer",
+        help="with --sentencepiece-for: tokenizer_config.json's tokenizer_class",
+    )
+    parser.add_argument(
         "--legacy",
         choices=("unset", "true", "false"),
         default="unset",
@@ -303,7 +311,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.sentencepiece_for:
         config = json.loads((Path(args.sentencepiece_for) / "config.json").read_text())
         legacy = None if args.legacy == "unset" else args.legacy == "true"
-        sentencepiece_tokenizer(out, int(config["vocab_size"]), legacy)
+        sentencepiece_tokenizer(out, int(config["vocab_size"]), legacy, args.tokenizer_class)
         print(f"model fixture: a SentencePiece-style tokeniser in {out}")
         return 0
     if is_complete(out) and not args.force:

@@ -308,20 +308,35 @@ def test_a_template_that_prints_the_date_reads_on_a_server_whose_day_is_another(
     assert announced["once"][:4] != expected[:4]
 
 
-@pytest.mark.parametrize("legacy", [None, True], ids=["prepend-first", "legacy-always"])
+@pytest.mark.parametrize(
+    ("tokenizer_class", "legacy", "prepend"),
+    [
+        ("LlamaTokenizer", None, "first"),
+        ("LlamaTokenizer", True, "always"),
+        ("GemmaTokenizer", None, "never"),
+    ],
+    ids=["llama", "llama-legacy", "gemma"],
+)
 def test_a_sentencepiece_tokenisers_events_translate_to_the_router_hashes(
-    vllm_with_events: EventsServer, tmp_path: Path, legacy: bool | None
+    vllm_with_events: EventsServer,
+    tmp_path: Path,
+    tokenizer_class: str,
+    legacy: bool | None,
+    prepend: str,
 ) -> None:
     """A SentencePiece-style tokeniser (Llama 2 / Mistral's: "▁" for spaces, <0xNN> byte
     pieces, [INST] added tokens), served by a second vLLM for the same model
     (``--tokenizer``), as transformers loads it: a "▁" before the text's start only
-    (``legacy`` unset), or before every piece between added tokens (``legacy: true``).
+    (``legacy`` unset), or before every piece between added tokens (``legacy: true``), or
+    nowhere (Gemma's class).
     A chat's events translate into its next turn's router hashes, a completion's into
     the next request's (its prompt's first "▁" is not the prompt's), replies included
     where the template spells them as the model wrote them."""
     python = lab.ensure_vllm_env()
     model_dir = vllm_with_events.model_dir
-    tokenizer_dir = lab.sentencepiece_tokenizer(python, model_dir, tmp_path / "sp", legacy)
+    tokenizer_dir = lab.sentencepiece_tokenizer(
+        python, model_dir, tmp_path / "sp", legacy, tokenizer_class
+    )
     server = lab.start_vllm(
         python,
         model_dir,
@@ -350,7 +365,7 @@ def test_a_sentencepiece_tokenisers_events_translate_to_the_router_hashes(
             completed = _translated(table, _read_events(subscriber))
     finally:
         lab.stop_all([server])
-    assert table.tokens.prepend == ("always" if legacy else "first")
+    assert table.tokens.prepend == prepend
     body = json.dumps(
         {"model": lab.SERVED_MODEL_NAME, "messages": _then(messages, reply, "Go on.")}
     ).encode()
@@ -377,7 +392,7 @@ def test_a_sentencepiece_tokenisers_events_translate_to_the_router_hashes(
     first_turn = _router_blocks(messages)
     assert chat_untranslated == 0 and len(chat) >= first_turn
     assert chat[:first_turn] == expected[:first_turn]  # the prompt, exactly
-    if not legacy:
+    if prepend != "always":
         # The reply too: the model wrote it right after [/INST], as the template does.
         assert chat == expected[: len(chat)] and len(chat) > first_turn
     # With legacy (a "▁" before every piece after an added token) the template spells the
