@@ -989,6 +989,15 @@ def load_translation(path: str | Path, model: str, block_size: int, max_blocks: 
     def token_text(value: Any) -> str:
         return value.get("content", "") if isinstance(value, dict) else str(value or "")
 
+    if mistral_format(directory):
+        log.warning(
+            "cache_events.model_dir %s: Mistral's own files (consolidated*.safetensors with "
+            "tekken.json or tokenizer.model.v*): vLLM (tokenizer_mode auto) then renders and "
+            "tokenises with mistral_common, not this chat template and tokeniser, and its "
+            "events may not translate (untranslated_blocks); start it with "
+            "--tokenizer-mode hf to read them",
+            directory,
+        )
     tokens = TokenBytes.from_file(directory / "tokenizer.json", config)
     layout = DatedLayouts(
         template,
@@ -997,6 +1006,15 @@ def load_translation(path: str | Path, model: str, block_size: int, max_blocks: 
         tokenized=tokens.as_tokenized,
     )
     return Translation(tokens, layout, model, block_size, max_blocks)
+
+
+def mistral_format(directory: Path) -> bool:
+    """Whether vLLM 0.32's tokenizer_mode auto picks "mistral" for this model directory
+    (vllm/tokenizers/registry.py): its weights as consolidated*.safetensors and a
+    mistral_common tokeniser file beside them."""
+    return any(directory.glob("consolidated*.safetensors")) and (
+        (directory / "tekken.json").exists() or any(directory.glob("tokenizer.model.v*"))
+    )
 
 
 def translation_from_config(config: Config) -> Translation:

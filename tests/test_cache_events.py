@@ -1168,3 +1168,22 @@ def test_whitespace_an_added_token_absorbs_is_left_out_of_the_layout(tmp_path: P
     )
     learnt = _announced(plain, _events_of(ids, len(_encode(prompt)) // VLLM_BLOCK))
     assert learnt[:2] != expected[:2]  # learnt as rendered, the layout reads none of it
+
+
+def test_a_model_directory_vllm_serves_with_mistral_common_is_warned_about(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """vLLM's tokenizer_mode auto renders Mistral's own repositories (consolidated weights
+    and tekken.json / tokenizer.model.v3) with mistral_common, not the chat template."""
+    spec = {"decoder": {"type": "ByteLevel"}, "model": {"type": "BPE", "vocab": VOCAB}}
+    (tmp_path / "tokenizer.json").write_bytes(orjson.dumps(spec))
+    config = {"chat_template": CHAT_TEMPLATE, "bos_token": BOS}
+    (tmp_path / "tokenizer_config.json").write_bytes(orjson.dumps(config))
+    cache_events.load_translation(tmp_path, MODEL, BLOCK, 4096)
+    (tmp_path / "tokenizer.model.v3").write_bytes(b"")
+    cache_events.load_translation(tmp_path, MODEL, BLOCK, 4096)
+    assert "mistral_common" not in caplog.text  # HF weights: tokenizer_mode auto is hf
+    (tmp_path / "consolidated.safetensors").write_bytes(b"")
+    with caplog.at_level("WARNING"):
+        cache_events.load_translation(tmp_path, MODEL, BLOCK, 4096)
+    assert "mistral_common" in caplog.text and "--tokenizer-mode hf" in caplog.text
