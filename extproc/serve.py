@@ -32,7 +32,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from prometheus_client.multiprocess import mark_process_dead
 
 from .admin import DecisionLog, build_admin_app, decision_record, start_admin
-from .cache_events import translation_from_config
+from .cache_events import Translation, translation_from_config
 from .cache_subscriber import CacheEventSubscriber
 from .config import (
     Config,
@@ -105,7 +105,10 @@ class RouterService:
         serve_admin: bool = True,
         tracer: DecisionTracer | None = None,
         placement_sink: Callable[[list[Placement]], None] | None = None,
+        translation: Translation | None = None,
     ) -> None:
+        """``translation``: the KV-cache events' translation, when start-up already loaded
+        it to check the configuration (else loaded here)."""
         self.config = config
         self.router = Router(config.routing, config.endpoints)
         self.outcomes = OutcomeCounter()
@@ -139,7 +142,7 @@ class RouterService:
         if config.cache_events.enabled:
             self.cache_events = CacheEventSubscriber(
                 config.cache_events,
-                translation_from_config(config),
+                translation or translation_from_config(config),
                 lambda: self.router.endpoints,
                 self.router.observe_cache_events,
                 lambda endpoint, kind, n: self.metrics.cache_events.labels(endpoint, kind).inc(n),
@@ -309,8 +312,11 @@ async def serve_until_signalled(
     decision_sink: Callable[[dict[str, Any]], None] | None = None,
     serve_admin: bool = True,
     placement_sink: Callable[[list[Placement]], None] | None = None,
+    translation: Translation | None = None,
 ) -> None:
-    service = RouterService(config, decision_sink, serve_admin, placement_sink=placement_sink)
+    service = RouterService(
+        config, decision_sink, serve_admin, placement_sink=placement_sink, translation=translation
+    )
     port = await service.start()
     frozen = freeze_start_up_heap()
     log.info(
@@ -529,16 +535,17 @@ def run(args: argparse.Namespace) -> int:
         except TLSFilesError as exc:
             print(f"prefix-router: invalid TLS files\n{exc}", file=sys.stderr)
             return 2
+    translation = None
     if config.cache_events.enabled:
         try:  # fail fast too: a tokeniser or chat template the translation cannot use
-            translation_from_config(config)
+            translation = translation_from_config(config)
         except ConfigError as exc:
             print(f"prefix-router: invalid configuration\n{exc}", file=sys.stderr)
             return 2
     if config.server.workers > 1:
         return run_workers(config, args.log_level)
     try:
-        asyncio.run(serve_until_signalled(config))
+        asyncio.run(serve_until_signalled(config, translation=translation))
     except TLSFilesError as exc:
         print(f"prefix-router: invalid TLS files\n{exc}", file=sys.stderr)
         return 2

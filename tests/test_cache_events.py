@@ -900,6 +900,25 @@ def test_config_check_and_serve_refuse_model_files_the_translation_cannot_use(
         json.dumps({"chat_template": CHAT_TEMPLATE, "bos_token": BOS})
     )
     assert cli.main(["config", "--check", str(config)]) == 0
+    # serve loads the translation once: the check's is the one the subscriber gets.
+    from extproc import serve
+
+    loaded: list[Translation] = []
+    served: list[Translation | None] = []
+
+    def counted(*args: object) -> Translation:
+        loaded.append(load(*args))  # type: ignore[arg-type]
+        return loaded[-1]
+
+    async def run(config: object, translation: Translation | None = None) -> None:
+        served.append(translation)
+
+    load = cache_events.load_translation
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(cache_events, "load_translation", counted)
+        patch.setattr(serve, "serve_until_signalled", run)
+        assert cli.main(["serve", "--config", str(config)]) == 0
+    assert len(loaded) == 1 and served == loaded
     (model_dir / "tokenizer_config.json").write_text(
         json.dumps({"chat_template": "{% for m in messages %}{{ m.content }}{% endfor %}"})
     )
