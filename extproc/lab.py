@@ -229,10 +229,19 @@ def sentencepiece_tokenizer(
 
 
 def _run_fixture(python: Path, out: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    return run_module(python, "extproc.model_fixture", "--out", str(out), *args)
+
+
+def run_module(
+    python: Path, module: str, *args: str, stdin: str | None = None
+) -> subprocess.CompletedProcess[str]:
+    """``python -m module args`` with this repository importable, offline (the vLLM env's
+    interpreter runs the fixtures that need torch or transformers)."""
     return subprocess.run(
-        [str(python), "-m", "extproc.model_fixture", "--out", str(out), *args],
+        [str(python), "-m", module, *args],
         env={**_clean_env(), "PYTHONPATH": str(REPO_ROOT), "HF_HUB_OFFLINE": "1"},
-        stdin=subprocess.DEVNULL,
+        input=stdin,
+        stdin=None if stdin is not None else subprocess.DEVNULL,
         capture_output=True,
         text=True,
     )

@@ -24,7 +24,8 @@ import pytest
 import zmq
 from prometheus_client.parser import text_string_to_metric_families
 
-from extproc import bench_live, cache_events, lab, model_fixture
+from extproc import bench_live, cache_events, lab, model_fixture, tokenizer_probe
+from extproc.bench_events import stored_event
 from extproc.config import RoutingConfig
 from extproc.hashing import block_hashes, root_hash
 from extproc.prompt import parse_request
@@ -400,6 +401,89 @@ def test_a_sentencepiece_tokenisers_events_translate_to_the_router_hashes(
     # those blocks either (other tokens), and what they translate into meets no request.
     assert completed == expected_completion[: len(completed)]
     assert len(completed) >= len(prompt.encode()) // routing.block_size_bytes - 1
+
+
+@pytest.mark.parametrize(
+    ("version", "legacy", "prepend"),
+    [("v1", None, "first"), ("v1", True, "always"), ("v3", None, "first")],
+    ids=["mistral-v1", "mistral-v1-legacy", "mistral-v3"],
+)
+def test_mistrals_own_vocabularies_translate_to_the_router_hashes(
+    tmp_path: Path, version: str, legacy: bool | None, prepend: str
+) -> None:
+    """Real vocabularies (no server: the tiny model cannot serve 32k pieces): Mistral 7B's
+    SentencePiece models as mistral_common ships them, converted and loaded by the vLLM
+    environment's transformers, tokenise a conversation's next-turn prompt and a
+    completion as vLLM would; the chains translate into exactly the router's hashes."""
+    python = lab.ensure_vllm_env()
+    directory = tmp_path / "tokenizer"
+    flag = "unset" if legacy is None else str(legacy).lower()
+    built = lab.run_module(
+        python,
+        "extproc.tokenizer_probe",
+        "mistral",
+        "--version",
+        version,
+        "--legacy",
+        flag,
+        "--out",
+        str(directory),
+    )
+    assert built.returncode == 0, built.stderr[-2000:]
+    messages = [
+        {"role": "user", "content": "Why do  pieces start with a space? é 中文 🙂\n\tTabbed. " * 6},
+        {
+            "role": "assistant",
+            "content": "Because SentencePiece marks word starts with a mark. " * 3,
+        },
+        {"role": "user", "content": "Go on, in detail, please.\nAnd again. " * 3},
+    ]
+    prompt = "A completion about prefix caches,  é 中文 🙂\nnext line. " * 8
+    text = (
+        cache_events.template_environment()
+        .from_string(tokenizer_probe.MISTRAL_CHAT_TEMPLATE)
+        .render(messages=messages, bos_token="<s>", eos_token="</s>")
+    )
+
+    def encoded(texts: list[str], *flags: str) -> list[list[int]]:
+        done = lab.run_module(
+            python,
+            "extproc.tokenizer_probe",
+            "encode",
+            str(directory),
+            *flags,
+            stdin=json.dumps(texts),
+        )
+        assert done.returncode == 0, done.stderr[-2000:]
+        return json.loads(done.stdout)
+
+    [chat_ids] = encoded([text])
+    [completion_ids] = encoded([prompt], "--special")
+    routing = RoutingConfig()
+    translation = cache_events.load_translation(
+        directory, lab.SERVED_MODEL_NAME, routing.block_size_bytes, routing.max_blocks
+    )
+    assert translation.tokens.prepend == prepend
+    root = root_hash(lab.SERVED_MODEL_NAME)
+    for api, ids, body in (
+        ("chat", chat_ids, {"messages": messages}),
+        ("completions", completion_ids, {"prompt": prompt}),
+    ):
+        table = cache_events.EndpointCacheEvents(translation)
+        event = stored_event(ids, 0, len(ids) // lab.BLOCK_SIZE, lab.BLOCK_SIZE)
+        announced = [h for held, hashes in table.apply([event]) if held for h in hashes]
+        request = parse_request(api, json.dumps({"model": "m", **body}).encode())
+        expected = block_hashes(
+            request.prompt, root, routing.block_size_bytes, routing.max_blocks
+        ).tolist()
+        print(
+            f"{version} ({prepend}) {api}: {len(ids)} tokens, {len(announced)} router blocks "
+            f"announced of {len(expected)}, untranslated {table.untranslated}"
+        )
+        assert table.untranslated == 0
+        assert announced == expected[: len(announced)]
+        # All but the router blocks in the tokens past the last whole vLLM block.
+        assert len(announced) >= len(expected) - 3
 
 
 def test_vllms_events_of_a_salted_chat_translate_with_its_salt(
