@@ -31,16 +31,27 @@ MISTRAL_CHAT_TEMPLATE = (
     "{% else %}{{ raise_exception('Only user and assistant roles are supported') }}"
     "{% endif %}{% endfor %}"
 )
+# Phi-3's shape (its tokeniser is this Llama class too): each marker an added token that
+# absorbs the whitespace after it (rstrip), as Phi-3's do.
+PHI3_MARKERS = ["<|system|>", "<|user|>", "<|assistant|>", "<|end|>"]
+PHI3_CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}"
+    "{{ '<|' + message['role'] + '|>\\n' + message['content'] + '<|end|>\\n' }}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|assistant|>\\n' }}"
+    "{% else %}{{ eos_token }}{% endif %}"
+)
 MODELS = {
     "v1": "tokenizer.model.v1",
     "v3": "mistral_instruct_tokenizer_240323.model.v3",
 }
 
 
-def mistral(out: Path, version: str, legacy: bool | None) -> Path:
+def mistral(out: Path, version: str, legacy: bool | None, markers: bool = False) -> Path:
     """``out``: tokenizer.json and tokenizer_config.json (LlamaTokenizer, the template,
-    ``legacy`` if not None) for mistral_common's bundled ``version`` model."""
+    ``legacy`` if not None) for mistral_common's bundled ``version`` model; ``markers``:
+    with Phi-3's markers added and its template instead of Mistral's."""
     import mistral_common
+    from tokenizers import AddedToken
     from transformers import AutoTokenizer
 
     source = Path(mistral_common.__file__).parent / "data" / MODELS[version]
@@ -53,12 +64,16 @@ def mistral(out: Path, version: str, legacy: bool | None) -> Path:
         "bos_token": "<s>",
         "eos_token": "</s>",
         "unk_token": "<unk>",
-        "chat_template": MISTRAL_CHAT_TEMPLATE,
+        "chat_template": PHI3_CHAT_TEMPLATE if markers else MISTRAL_CHAT_TEMPLATE,
     }
     if legacy is not None:
         config["legacy"] = legacy
     (work / "tokenizer_config.json").write_text(json.dumps(config))
-    AutoTokenizer.from_pretrained(work).save_pretrained(out)
+    tokenizer = AutoTokenizer.from_pretrained(work)
+    if markers:
+        extra = [AddedToken(m, rstrip=True, normalized=False, special=True) for m in PHI3_MARKERS]
+        tokenizer.add_special_tokens({"additional_special_tokens": extra})
+    tokenizer.save_pretrained(out)
     (out / "tokenizer_config.json").write_text(json.dumps(config))  # as written, no defaults
     shutil.rmtree(work)
     return out
@@ -78,13 +93,14 @@ def main(argv: list[str] | None = None) -> int:
     build.add_argument("--version", choices=sorted(MODELS), required=True)
     build.add_argument("--legacy", choices=("unset", "true", "false"), default="unset")
     build.add_argument("--out", required=True)
+    build.add_argument("--phi3-markers", action="store_true", help="Phi-3's markers, template")
     tokenise = commands.add_parser("encode", help="JSON list of texts on stdin -> token ids")
     tokenise.add_argument("directory")
     tokenise.add_argument("--special", action="store_true", help="add the BOS (completions)")
     args = parser.parse_args(argv)
     if args.command == "mistral":
         legacy = None if args.legacy == "unset" else args.legacy == "true"
-        mistral(Path(args.out), args.version, legacy)
+        mistral(Path(args.out), args.version, legacy, args.phi3_markers)
         return 0
     print(json.dumps(encode(Path(args.directory), json.load(sys.stdin), args.special)))
     return 0

@@ -404,17 +404,23 @@ def test_a_sentencepiece_tokenisers_events_translate_to_the_router_hashes(
 
 
 @pytest.mark.parametrize(
-    ("version", "legacy", "prepend"),
-    [("v1", None, "first"), ("v1", True, "always"), ("v3", None, "first")],
-    ids=["mistral-v1", "mistral-v1-legacy", "mistral-v3"],
+    ("version", "legacy", "prepend", "markers"),
+    [
+        ("v1", None, "first", False),
+        ("v1", True, "always", False),
+        ("v3", None, "first", False),
+        ("v1", False, "first", True),
+    ],
+    ids=["mistral-v1", "mistral-v1-legacy", "mistral-v3", "phi3-markers"],
 )
 def test_mistrals_own_vocabularies_translate_to_the_router_hashes(
-    tmp_path: Path, version: str, legacy: bool | None, prepend: str
+    tmp_path: Path, version: str, legacy: bool | None, prepend: str, markers: bool
 ) -> None:
     """Real vocabularies (no server: the tiny model cannot serve 32k pieces): Mistral 7B's
     SentencePiece models as mistral_common ships them, converted and loaded by the vLLM
     environment's transformers, tokenise a conversation's next-turn prompt and a
-    completion as vLLM would; the chains translate into exactly the router's hashes."""
+    completion as vLLM would; the chains translate into exactly the router's hashes. With
+    Phi-3's markers (added tokens that absorb the newline after them) and template too."""
     python = lab.ensure_vllm_env()
     directory = tmp_path / "tokenizer"
     flag = "unset" if legacy is None else str(legacy).lower()
@@ -428,6 +434,7 @@ def test_mistrals_own_vocabularies_translate_to_the_router_hashes(
         flag,
         "--out",
         str(directory),
+        *(["--phi3-markers"] if markers else []),
     )
     assert built.returncode == 0, built.stderr[-2000:]
     messages = [
@@ -441,8 +448,10 @@ def test_mistrals_own_vocabularies_translate_to_the_router_hashes(
     prompt = "A completion about prefix caches,  é 中文 🙂\nnext line. " * 8
     text = (
         cache_events.template_environment()
-        .from_string(tokenizer_probe.MISTRAL_CHAT_TEMPLATE)
-        .render(messages=messages, bos_token="<s>", eos_token="</s>")
+        .from_string(
+            tokenizer_probe.PHI3_CHAT_TEMPLATE if markers else tokenizer_probe.MISTRAL_CHAT_TEMPLATE
+        )
+        .render(messages=messages, bos_token="<s>", eos_token="</s>", add_generation_prompt=True)
     )
 
     def encoded(texts: list[str], *flags: str) -> list[list[int]]:
