@@ -224,7 +224,7 @@ def sentencepiece_tokenizer(
     where transformers reads it when it rebuilds a Llama tokeniser at load: unset or false
     puts a "▁" before the text's start only, true before every piece between added tokens;
     ``tokenizer_class`` "GemmaTokenizer" is rebuilt to put none anywhere.
-    Needs the tokenizers and transformers packages (the vLLM environment)."""
+    Needs the tokenizers package (the vLLM environment)."""
     from tokenizers import Tokenizer, decoders, models, normalizers, processors, trainers
 
     byte_pieces = [f"<0x{b:02X}>" for b in range(256)]
