@@ -91,6 +91,7 @@ class TokenBytes:
         added: Sequence[AddedToken] = (),
     ) -> None:
         self._table = table
+        self.sentencepiece = False  # set by from_file: "▁" for spaces
         self.single_prefix = single_prefix
         if prepend not in PREPEND_SCHEMES:
             raise ValueError(f"prepend {prepend!r}: one of {PREPEND_SCHEMES}")
@@ -133,7 +134,9 @@ class TokenBytes:
         prepend = sentencepiece_prepend(path, spec, config or {})
         table = _sentencepiece_table(spec, bool(model.get("byte_fallback")))
         added = _added_tokens(spec)
-        return cls(table, _single_prefix(spec.get("post_processor"), table), prepend, added)
+        tokens = cls(table, _single_prefix(spec.get("post_processor"), table), prepend, added)
+        tokens.sentencepiece = True
+        return tokens
 
     def as_tokenized(self, text: str) -> str:
         """``text`` as its tokens decode here: with the spaces the tokeniser put before
@@ -170,6 +173,9 @@ class TokenBytes:
         none. A prompt that starts with a space itself reads as one without (its tokens
         are the same): not learnt."""
         return b"" if self.prepend == "never" else b" "
+
+    def __len__(self) -> int:
+        return len(self._table)
 
     def decode(self, token_ids: list[int]) -> bytes:
         return b"".join(self._pieces(token_ids))
@@ -708,6 +714,29 @@ class Translation:
     block_size: int  # the router's block size in bytes (routing.block_size_bytes)
     max_blocks: int  # its hash window (routing.max_blocks)
 
+    def describe(self) -> str:
+        """One line on what was read, for start-up's log and ``config --check``: an
+        operator checks the tokeniser and template were read as the server reads them."""
+        tokens = self.tokens
+        kind = "SentencePiece-style BPE" if tokens.sentencepiece else "byte-level BPE"
+        where = {
+            "never": "nowhere",
+            "first": "the text's start",
+            "always": "each piece after an added token",
+            "every": "each piece, always",
+        }[tokens.prepend]
+        layout = self.layout
+        chat = layout.today() if isinstance(layout, DatedLayouts) else layout
+        dated = isinstance(layout, DatedLayouts) and layout.dated
+        prefix = "not learnt" if tokens.single_prefix is None else repr(tokens.single_prefix)
+        return (
+            f"{kind}, {len(tokens)} tokens"
+            + (f', a "▁" put before {where}' if tokens.sentencepiece else "")
+            + f"; chat template: first messages {'/'.join(chat.starts) or 'none'}"
+            + (", printing the date" if dated else "")
+            + f"; completions after {prefix}"
+        )
+
 
 class EndpointCacheEvents:
     """One endpoint's announced blocks, and their translation into this router's hashes."""
@@ -1022,7 +1051,7 @@ def translation_from_config(config: Config) -> Translation:
     (a missing file, a tokeniser or chat template it cannot use): checked at start-up and
     by ``prefix-router config --check``."""
     try:
-        return load_translation(
+        translation = load_translation(
             config.cache_events.model_dir,
             config.cache_events.model,
             config.routing.block_size_bytes,
@@ -1030,3 +1059,5 @@ def translation_from_config(config: Config) -> Translation:
         )
     except (OSError, ValueError, KeyError) as exc:
         raise ConfigError(f"config field cache_events.model_dir: {exc}") from None
+    log.info("cache_events.model_dir %s: %s", config.cache_events.model_dir, translation.describe())
+    return translation

@@ -53,7 +53,8 @@ def run(args: argparse.Namespace) -> int:
         if config.cache_events.enabled:  # the model files, as serve checks them
             from .cache_events import translation_from_config
 
-            translation_from_config(config)
+            translation = translation_from_config(config)
+            print(f"cache_events: {translation.describe()}", file=sys.stderr)
     except ConfigError as exc:
         print(f"prefix-router: invalid configuration\n{exc}", file=sys.stderr)
         return 2

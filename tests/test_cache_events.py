@@ -900,6 +900,9 @@ def test_config_check_and_serve_refuse_model_files_the_translation_cannot_use(
         json.dumps({"chat_template": CHAT_TEMPLATE, "bos_token": BOS})
     )
     assert cli.main(["config", "--check", str(config)]) == 0
+    err = capsys.readouterr().err  # what was read, for the operator to check
+    assert "cache_events: byte-level BPE, 262 tokens" in err, err
+    assert "first messages system/user/assistant" in err
     # serve loads the translation once: the check's is the one the subscriber gets.
     from extproc import serve
 
@@ -1051,8 +1054,12 @@ def test_a_sentencepiece_tokeniser_is_read_as_transformers_loads_it(
     tmp_path: Path, normalizer: object, pre: object, config: dict, prepend: str
 ) -> None:
     tokens = _sp_tokens(tmp_path, normalizer, pre, config)
-    assert tokens.prepend == prepend
+    assert tokens.prepend == prepend and tokens.sentencepiece
     assert tokens.single_prefix == b"<s>"
+    layout = ChatLayout.from_template(model_fixture.SP_CHAT_TEMPLATE, "<s>", "</s>")
+    described = Translation(tokens, layout, MODEL, BLOCK, 4096).describe()
+    assert described.startswith(f"SentencePiece-style BPE, {len(SP_PIECES)} tokens, ")
+    assert "completions after b'<s>'" in described
     text = "<s><<SYS>>\nBe brief é.[INST] Why  中文? [/INST]"
     spelt = tokens.as_tokenized(text)
     assert tokens.decode(_sp_encode(text, prepend)) == spelt.encode()
