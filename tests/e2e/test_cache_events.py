@@ -353,19 +353,31 @@ def test_a_sentencepiece_tokenisers_events_translate_to_the_router_hashes(
         {"role": "user", "content": "Why do pieces start with a space? é 中文 " * 4},
     ]
     prompt = "A completion about prefix caches, é 中文. " * 6
+    served = EventsServer(server.address, tmp_path, tokenizer_dir)
     try:
         lab.wait_healthy([server])
-        with _listening(EventsServer(server.address, tmp_path, tokenizer_dir)) as (
-            table,
-            subscriber,
-        ):
+        with _listening(served) as (table, subscriber):
             reply = _chat(server.address, messages)
             chat = _translated(table, _read_events(subscriber))
             chat_untranslated = table.untranslated
             completion = _complete(server.address, prompt)
             completed = _translated(table, _read_events(subscriber))
+        # The server's path too: a router behind Envoy reading these events (its
+        # cache_events.model_dir the tokeniser's) matches a next turn it never saw.
+        with Stack() as stack:
+            args = [*served.router_args(), "--set", "cache_events.replay="]
+            admin, envoy = _router_behind_envoy(stack, server.address, args)
+            _post(server.address, "/reset_prefix_cache")
+            routed_reply = _chat(server.address, messages)
+            _wait_for_count(admin, "stored_blocks", _router_blocks(messages) - 1)
+            decision = _routed_through(envoy, admin, _then(messages, routed_reply, "Go on."))
     finally:
         lab.stop_all([server])
+    print(f"through Envoy, the next turn: {_matched(decision)}")
+    assert decision["endpoint"] == server.address
+    assert decision["matched_blocks"] >= _router_blocks(messages) - 1
+    if prepend != "always":  # the reply's blocks too (below)
+        assert decision["matched_blocks"] > _router_blocks(messages), decision
     assert table.tokens.prepend == prepend
     body = json.dumps(
         {"model": lab.SERVED_MODEL_NAME, "messages": _then(messages, reply, "Go on.")}
