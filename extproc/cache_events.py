@@ -89,9 +89,10 @@ class TokenBytes:
         single_prefix: bytes | None = b"",
         prepend: str = "never",
         added: Sequence[AddedToken] = (),
+        sentencepiece: bool = False,  # "▁" for spaces (else byte-level)
     ) -> None:
         self._table = table
-        self.sentencepiece = False  # set by from_file: "▁" for spaces
+        self.sentencepiece = sentencepiece
         self.single_prefix = single_prefix
         if prepend not in PREPEND_SCHEMES:
             raise ValueError(f"prepend {prepend!r}: one of {PREPEND_SCHEMES}")
@@ -115,6 +116,7 @@ class TokenBytes:
         spec = orjson.loads(Path(path).read_bytes())
         decoder = spec.get("decoder") or {}
         if decoder.get("type") == "ByteLevel":
+            # NFC (Qwen's): only text not already in NFC is missed.
             _refuse_normalizer(path, spec.get("normalizer"), allowed=("NFC",))
             table = _byte_level_table(spec)
             added = _added_tokens(spec)
@@ -134,9 +136,8 @@ class TokenBytes:
         prepend = sentencepiece_prepend(path, spec, config or {})
         table = _sentencepiece_table(spec, bool(model.get("byte_fallback")))
         added = _added_tokens(spec)
-        tokens = cls(table, _single_prefix(spec.get("post_processor"), table), prepend, added)
-        tokens.sentencepiece = True
-        return tokens
+        prefix = _single_prefix(spec.get("post_processor"), table)
+        return cls(table, prefix, prepend, added, sentencepiece=True)
 
     def as_tokenized(self, text: str) -> str:
         """``text`` as its tokens decode here: with the spaces the tokeniser put before
@@ -217,7 +218,7 @@ def _steps(part: Any) -> list[dict[str, Any]]:
 
 def _refuse_normalizer(path: str | Path, normalizer: Any, allowed: tuple[str, ...]) -> None:
     kinds = [step.get("type") for step in _steps(normalizer)]
-    if any(kind not in allowed for kind in kinds):  # NFC: only text not in NFC is missed
+    if any(kind not in allowed for kind in kinds):
         raise ValueError(f"cache_events.tokenizer {path}: normalizer {kinds!r} changes the text")
 
 
@@ -259,13 +260,10 @@ def sentencepiece_prepend(path: str | Path, spec: dict[str, Any], config: dict[s
             f"{kind!r}, which transformers rebuilds at load in a way this does not follow "
             f"(read: {', '.join(_LLAMA_CLASSES + _GEMMA_CLASSES)} and the generic class)"
         )
-    normalizer = _steps(spec.get("normalizer"))
-    kinds = [step.get("type") for step in normalizer]
-    prepends = [s for s in normalizer if s.get("type") == "Prepend"]
-    if any(k not in ("Prepend", "Replace") for k in kinds) or any(
-        s.get("prepend") != "▁" for s in prepends
-    ):
-        raise ValueError(f"cache_events.tokenizer {path}: normalizer {kinds!r} changes the text")
+    _refuse_normalizer(path, spec.get("normalizer"), allowed=("Prepend", "Replace"))
+    prepends = [s for s in _steps(spec.get("normalizer")) if s.get("type") == "Prepend"]
+    if any(s.get("prepend") != "▁" for s in prepends):
+        raise ValueError(f"cache_events.tokenizer {path}: a Prepend normaliser of other than '▁'")
     pre = spec.get("pre_tokenizer")
     if prepends:
         if pre:
@@ -830,12 +828,11 @@ class EndpointCacheEvents:
         A chat's text starts with the template's markup for its first message, which a
         completion's rarely does (one that does, a client applying the template itself, is
         read as the chat and meets nothing of the router's: not learnt)."""
-        if after is not None and after.open_role == COMPLETION:
-            return completion_parse(text, self.tokens.single_prefix, self.tokens.lead)
-        parsed = self.layout.canonical(text, after)
-        if parsed is None:
-            return completion_parse(text, self.tokens.single_prefix, self.tokens.lead)
-        return parsed
+        if after is None or after.open_role != COMPLETION:
+            parsed = self.layout.canonical(text, after)
+            if parsed is not None:
+                return parsed
+        return completion_parse(text, self.tokens.single_prefix, self.tokens.lead)
 
     def _chain(self, block: int | None) -> tuple[bytes, int | None] | None:
         """The text of a chain up to ``block``, walked up its parents, and its first block
