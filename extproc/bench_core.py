@@ -276,13 +276,18 @@ def metrics_parse(page: Path, rounds: int = 5, repeat: int = 50) -> dict[str, An
     return {"page": str(page), "lines": len(text.splitlines()), "bytes": len(text), **timings}
 
 
-def _full_collections_ms(rounds: int) -> list[float]:
+def full_collections_ms(rounds: int) -> list[float]:
+    """How long each of ``rounds`` full garbage collections takes, in ms."""
     times = []
     for _ in range(rounds):
         start = time.perf_counter()
         gc.collect()
-        times.append(round((time.perf_counter() - start) * 1000, 2))
+        times.append((time.perf_counter() - start) * 1000)
     return times
+
+
+def _rounded(times: list[float]) -> list[float]:
+    return [round(t, 2) for t in times]
 
 
 def collector_pause(rounds: int = 5) -> dict[str, Any]:
@@ -301,10 +306,10 @@ def collector_pause(rounds: int = 5) -> dict[str, Any]:
         service = RouterService(config, None, serve_admin=False)
         await service.start()
         try:
-            before = _full_collections_ms(rounds)
+            before = _rounded(full_collections_ms(rounds))
             tracked = len(gc.get_objects())
             frozen = freeze_start_up_heap()
-            after = _full_collections_ms(rounds)
+            after = _rounded(full_collections_ms(rounds))
             tracked_after = len(gc.get_objects())
         finally:
             gc.unfreeze()

@@ -299,7 +299,7 @@ def full_collection_ms(blocks: int, vocabulary: _Vocabulary, translation: Transl
     """What a full garbage collection costs with an endpoint's table holding ``blocks``
     announced blocks (32 KiB prompts, each a new chain): a pause every decision waits out,
     which grows with what the collector tracks (median of three ``gc.collect()``)."""
-    import gc
+    from .bench_core import full_collections_ms
 
     rng = random.Random(blocks)
     content = "".join(" " + rng.choice(WORDS) for _ in range(32 * 1024 // 6))
@@ -311,12 +311,7 @@ def full_collection_ms(blocks: int, vocabulary: _Vocabulary, translation: Transl
         table.apply([_as_new_chain(event, k)])
         if not len(table):
             raise RuntimeError("bench events --gc-blocks: the prompt did not translate")
-    times = []
-    for _ in range(3):
-        started = time.perf_counter()
-        gc.collect()
-        times.append((time.perf_counter() - started) * 1000)
-    return statistics.median(times)
+    return statistics.median(full_collections_ms(3))
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
