@@ -142,7 +142,6 @@ def test_vllms_events_translate_to_the_next_turns_router_hashes(
     vllm_with_events: EventsServer,
 ) -> None:
     address = vllm_with_events.address
-    routing = RoutingConfig()
     with _listening(vllm_with_events) as (translator, subscriber):
         messages = [
             {"role": "system", "content": "You answer questions about caches, briefly. " * 12},
@@ -160,19 +159,8 @@ def test_vllms_events_translate_to_the_next_turns_router_hashes(
         assert sequences == sorted(sequences) and len(set(sequences)) == len(sequences)
         announced = np.concatenate(stored) if stored else np.zeros(0, np.uint64)
 
-        next_turn = _then(messages, reply, "Go on.")
-        body = json.dumps({"model": lab.SERVED_MODEL_NAME, "messages": next_turn}).encode()
-        request = parse_request("chat", body)
-        expected = block_hashes(
-            request.prompt,
-            root_hash(lab.SERVED_MODEL_NAME),
-            routing.block_size_bytes,
-            routing.max_blocks,
-        )
-        first_turn = parse_request(
-            "chat", json.dumps({"model": lab.SERVED_MODEL_NAME, "messages": messages}).encode()
-        )
-        prompt_blocks = len(first_turn.prompt) // routing.block_size_bytes
+        expected = _router_hashes("chat", {"messages": _then(messages, reply, "Go on.")})
+        prompt_blocks = _router_blocks(messages)
         print(
             f"{len(received)} event messages; {len(announced)} router blocks announced, "
             f"the first turn's prompt has {prompt_blocks}, the next turn {len(expected)}; "
@@ -181,7 +169,7 @@ def test_vllms_events_translate_to_the_next_turns_router_hashes(
         assert not removed and translator.untranslated == 0
         # Exactly the next turn's hashes, in order, and past the first turn's prompt: the
         # reply's blocks, computed by vLLM, are announced and meet the router's hashes too.
-        assert announced.tolist() == expected[: len(announced)].tolist()
+        assert announced.tolist() == expected[: len(announced)]
         assert len(announced) > prompt_blocks, (len(announced), prompt_blocks)
 
         # vLLM publishes a cleared cache with the next blocks it stores, in one message.
@@ -208,15 +196,7 @@ def test_vllms_events_of_a_completion_translate_to_the_next_requests_router_hash
         reply = _complete(vllm_with_events.address, prompt)
         announced = _translated(translator, _read_events(subscriber))
 
-    def hashes(text: str) -> list[int]:
-        body = json.dumps({"model": lab.SERVED_MODEL_NAME, "prompt": text}).encode()
-        request = parse_request("completions", body)
-        root = root_hash(lab.SERVED_MODEL_NAME)
-        return block_hashes(
-            request.prompt, root, routing.block_size_bytes, routing.max_blocks
-        ).tolist()
-
-    expected = hashes(prompt + reply + " And then?")
+    expected = _router_hashes("completions", {"prompt": prompt + reply + " And then?"})
     prompt_blocks = len(prompt.encode()) // routing.block_size_bytes
     print(
         f"{len(announced)} router blocks announced; the prompt has {prompt_blocks}, the next "
@@ -289,15 +269,7 @@ def test_a_template_that_prints_the_date_reads_on_a_server_whose_day_is_another(
     )
     tables = {"by day": by_day_table, "once": once_table}
     announced = {name: _translated(table, received) for name, table in tables.items()}
-    body = json.dumps(
-        {"model": lab.SERVED_MODEL_NAME, "messages": _then(messages, reply, "Go on.")}
-    ).encode()
-    expected = block_hashes(
-        parse_request("chat", body).prompt,
-        root_hash(lab.SERVED_MODEL_NAME),
-        routing.block_size_bytes,
-        routing.max_blocks,
-    ).tolist()
+    expected = _router_hashes("chat", {"messages": _then(messages, reply, "Go on.")})
     by_day = announced["by day"]
     print(
         f"server zone {zone}: {len(by_day)} router blocks announced by day, of the next "
@@ -379,20 +351,8 @@ def test_a_sentencepiece_tokenisers_events_translate_to_the_router_hashes(
     if prepend != "always":  # the reply's blocks too (below)
         assert decision["matched_blocks"] > _router_blocks(messages), decision
     assert table.tokens.prepend == prepend
-    body = json.dumps(
-        {"model": lab.SERVED_MODEL_NAME, "messages": _then(messages, reply, "Go on.")}
-    ).encode()
-    root = root_hash(lab.SERVED_MODEL_NAME)
-    expected = block_hashes(
-        parse_request("chat", body).prompt, root, routing.block_size_bytes, routing.max_blocks
-    ).tolist()
-    body = json.dumps({"model": lab.SERVED_MODEL_NAME, "prompt": prompt + completion}).encode()
-    expected_completion = block_hashes(
-        parse_request("completions", body).prompt,
-        root,
-        routing.block_size_bytes,
-        routing.max_blocks,
-    ).tolist()
+    expected = _router_hashes("chat", {"messages": _then(messages, reply, "Go on.")})
+    expected_completion = _router_hashes("completions", {"prompt": prompt + completion})
     print(
         f"prepend {table.tokens.prepend}: chat {len(chat)} router blocks announced, "
         f"{sum(a == b for a, b in zip(chat, expected, strict=False))} equal to the next "
@@ -485,7 +445,6 @@ def test_mistrals_own_vocabularies_translate_to_the_router_hashes(
         directory, lab.SERVED_MODEL_NAME, routing.block_size_bytes, routing.max_blocks
     )
     assert translation.tokens.prepend == prepend
-    root = root_hash(lab.SERVED_MODEL_NAME)
     for api, ids, body in (
         ("chat", chat_ids, {"messages": messages}),
         ("completions", completion_ids, {"prompt": prompt}),
@@ -493,10 +452,7 @@ def test_mistrals_own_vocabularies_translate_to_the_router_hashes(
         table = cache_events.EndpointCacheEvents(translation)
         event = stored_event(ids, 0, len(ids) // lab.BLOCK_SIZE, lab.BLOCK_SIZE)
         announced = [h for held, hashes in table.apply([event]) if held for h in hashes]
-        request = parse_request(api, json.dumps({"model": "m", **body}).encode())
-        expected = block_hashes(
-            request.prompt, root, routing.block_size_bytes, routing.max_blocks
-        ).tolist()
+        expected = _router_hashes(api, body)
         print(
             f"{version} ({prepend}) {api}: {len(ids)} tokens, {len(announced)} router blocks "
             f"announced of {len(expected)}, untranslated {table.untranslated}"
@@ -514,7 +470,6 @@ def test_vllms_events_of_a_salted_chat_translate_with_its_salt(
     it among that block's extra keys; the events translate into the router hashes of the
     next turn with the same salt, reply included (and not into the unsalted ones)."""
     address = vllm_with_events.address
-    routing = RoutingConfig()
     messages = [
         {"role": "system", "content": "You keep each tenant's cache apart. " * 10},
         {"role": "user", "content": "Which blocks can another tenant reuse? " * 5},
@@ -544,14 +499,10 @@ def test_vllms_events_of_a_salted_chat_translate_with_its_salt(
     announced = _translated(translator, received)
 
     def next_turn(salt: str) -> list[int]:
-        payload = {"model": lab.SERVED_MODEL_NAME, "messages": _then(messages, reply, "Go on.")}
+        payload: dict[str, object] = {"messages": _then(messages, reply, "Go on.")}
         if salt:
             payload["cache_salt"] = salt
-        request = parse_request("chat", json.dumps(payload).encode())
-        root = root_hash(lab.SERVED_MODEL_NAME, salt)
-        return block_hashes(
-            request.prompt, root, routing.block_size_bytes, routing.max_blocks
-        ).tolist()
+        return _router_hashes("chat", payload, salt)
 
     expected = next_turn("tenant-7")
     print(
@@ -589,6 +540,15 @@ def _then(messages: list[dict[str, str]], reply: str, question: str) -> list[dic
         {"role": "assistant", "content": reply},
         {"role": "user", "content": question},
     ]
+
+
+def _router_hashes(api: str, payload: dict[str, object], salt: str = "") -> list[int]:
+    """The router's block hashes of a request (``payload``: its body but the model)."""
+    routing = RoutingConfig()
+    body = orjson.dumps({"model": lab.SERVED_MODEL_NAME, **payload})
+    root = root_hash(lab.SERVED_MODEL_NAME, salt)
+    prompt = parse_request(api, body).prompt
+    return block_hashes(prompt, root, routing.block_size_bytes, routing.max_blocks).tolist()
 
 
 def _router_blocks(messages: list[dict[str, str]]) -> int:
