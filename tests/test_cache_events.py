@@ -1049,6 +1049,17 @@ def _sp_tokens(tmp_path: Path, normalizer: object, pre: object, config: dict) ->
     return TokenBytes.from_file(path, config)
 
 
+def _sp_table(tokens: TokenBytes) -> EndpointCacheEvents:
+    """A table translating the fixture's SentencePiece template, spelt as ``tokens`` do."""
+    layout = ChatLayout.from_template(
+        model_fixture.SP_CHAT_TEMPLATE,
+        model_fixture.SP_BOS,
+        model_fixture.SP_EOS,
+        tokenized=tokens.as_tokenized,
+    )
+    return EndpointCacheEvents(Translation(tokens, layout, MODEL, BLOCK, 4096))
+
+
 @pytest.mark.parametrize(("normalizer", "pre", "config", "prepend"), SP_CASES)
 def test_a_sentencepiece_tokeniser_is_read_as_transformers_loads_it(
     tmp_path: Path, normalizer: object, pre: object, config: dict, prepend: str
@@ -1089,12 +1100,8 @@ def test_a_sentencepiece_chat_translates_to_the_next_turns_router_hashes(
 ) -> None:
     """vLLM renders the template, encodes it without special tokens added, generates a
     reply after it: each scheme's tokens translate into the next turn's router hashes."""
-    tokens = _sp_tokens(tmp_path, normalizer, pre, config)
+    table = _sp_table(_sp_tokens(tmp_path, normalizer, pre, config))
     template = model_fixture.SP_CHAT_TEMPLATE
-    layout = ChatLayout.from_template(
-        template, model_fixture.SP_BOS, model_fixture.SP_EOS, tokenized=tokens.as_tokenized
-    )
-    table = EndpointCacheEvents(Translation(tokens, layout, MODEL, BLOCK, 4096))
     messages = _first_turn()
     following = [*messages, {"role": "assistant", "content": REPLY}]
 
@@ -1126,14 +1133,7 @@ def test_a_sentencepiece_chat_translates_to_the_next_turns_router_hashes(
 def test_a_sentencepiece_completion_translates_without_the_space_put_before_it(
     tmp_path: Path, normalizer: object, pre: object, config: dict, prepend: str
 ) -> None:
-    tokens = _sp_tokens(tmp_path, normalizer, pre, config)
-    layout = ChatLayout.from_template(
-        model_fixture.SP_CHAT_TEMPLATE,
-        model_fixture.SP_BOS,
-        model_fixture.SP_EOS,
-        tokenized=tokens.as_tokenized,
-    )
-    table = EndpointCacheEvents(Translation(tokens, layout, MODEL, BLOCK, 4096))
+    table = _sp_table(_sp_tokens(tmp_path, normalizer, pre, config))
     prompt = "A completion keeps its blocks, é 中文. " * 8
     ids = [SP_BOS_ID, *_sp_encode(prompt, prepend)]  # the post-processor's BOS, then the text
     announced = _announced(table, _events_of(ids, len(ids) // VLLM_BLOCK))
