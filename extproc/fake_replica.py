@@ -248,6 +248,7 @@ class Job:
     hashes: list[bytes] = field(default_factory=list)
     cached_tokens: int = 0
     arrived: float = 0.0
+    prefill_seconds: float | None = None  # once prefilled
 
     def usage(self) -> dict[str, Any]:
         return {
@@ -301,6 +302,10 @@ class Replica:
         finally:
             st.running -= 1
             self.seqs.release()
+            if job.prefill_seconds is not None:  # vLLM observes a prefill as its request ends
+                st.prefills += 1
+                st.prefill_seconds += job.prefill_seconds
+                st.prefill_computed_tokens += job.prompt_tokens - job.cached_tokens
 
     async def _prefill(self, job: Job) -> None:
         """Look up the cache and pay for the uncached tokens, one prefill at a time."""
@@ -315,9 +320,7 @@ class Replica:
             started = time.perf_counter()
             await asyncio.sleep(ms / 1000)
             st.cache.touch(job.hashes)  # computed blocks are reusable from now on
-            st.prefills += 1
-            st.prefill_seconds += time.perf_counter() - started
-            st.prefill_computed_tokens += job.prompt_tokens - job.cached_tokens
+            job.prefill_seconds = time.perf_counter() - started
         st.prompt_tokens += job.prompt_tokens
 
     async def _run(self, request: web.Request, job: Job) -> web.StreamResponse:

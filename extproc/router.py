@@ -46,7 +46,7 @@ log = logging.getLogger(__name__)
 # of any endpoint, and moves once they hold this many finished prefills.
 PREFILL_RATE_WINDOWS = 32
 PREFILL_RATE_MIN_PREFILLS = 16
-# This router's share of the requests the endpoints finish (Router._learn_traffic_share):
+# This router's share of the requests that reach the endpoints (Router._learn_traffic_share):
 # decaying sums over about this many scrape windows, trusted once they hold this many.
 TRAFFIC_SHARE_WINDOWS = 64
 TRAFFIC_SHARE_MIN_REQUESTS = 16
@@ -163,10 +163,12 @@ class Router:
         # A typical prefill charge of this router's, to price other routers' requests with.
         self._typical_work = 0.0
         self._charges = 0
-        # Requests this router sent each endpoint since its last reported prefill window, and
-        # decaying sums of those and of what the endpoints report finishing.
+        # Requests this router sent each endpoint since its share was last read there, and
+        # decaying sums of those and of the requests that reached the endpoints.
         self._sent = np.zeros(0, dtype=np.int64)
-        self._share_sent = self._share_finished = 0.0
+        # Each endpoint's running + waiting requests when it was last read (_arrivals).
+        self._in_system = np.zeros(0)
+        self._share_sent = self._share_arrived = 0.0
         self._traffic_share = 1.0
         self._share_measured = False
         # Prefill work of the cold starts this router placed on each endpoint, decaying.
@@ -207,6 +209,7 @@ class Router:
         self._in_flight = carried(self._in_flight, 0, np.int64)
         self._others_load = carried(self._others_load, 0.0, np.float64)
         self._sent = carried(self._sent, 0, np.int64)
+        self._in_system = carried(self._in_system, np.nan, np.float64)
         self._healthy = carried(self._healthy, True, bool)
         self._work = carried(self._work, 0.0, np.float64)
         self._placed = carried(self._placed, 0.0, np.float64)
@@ -240,6 +243,7 @@ class Router:
         kv_usage: float | None = None,
         kv_capacity_tokens: int | None = None,
         prefill_window: tuple[float, float, float] | None = None,
+        counts_finished: bool = False,
     ) -> None:
         """What the endpoint itself reports. Its running + waiting requests count as its load
         when they exceed this router's own in-flight count (other routers' traffic, or
@@ -248,15 +252,18 @@ class Router:
         there); the KV size sizes the index when the config did not. ``up=False`` (scrape
         failed) falls back to in-flight counts only. ``prefill_window``: (computed tokens,
         prefills, seconds) of the requests it finished since the last scrape, which the
-        prefill throughput is learned from (``_learn_prefill_rate``)."""
+        prefill throughput is learned from (``_learn_prefill_rate``); ``counts_finished``:
+        it exports that counter (no window: none finished), so its queues tell arrivals."""
         i = self._position.get(address)
         if i is None:
             return
+        finished = 0.0 if prefill_window is None else prefill_window[1]
         if prefill_window is not None:
             self._learn_prefill_rate(*prefill_window)
-            self._learn_traffic_share(i, prefill_window[1])
+        if prefill_window is not None or (counts_finished and up):
+            self._learn_traffic_share(i, self._arrivals(i, finished, running, waiting))
         if up:
-            self._learn_admissions(i, prefill_window[1] if prefill_window else 0.0)
+            self._learn_admissions(i, finished)
         self._unseen_work.amount[i] = self._blocked_work.amount[i] = 0.0
         if up and running is not None:
             self._running_ceiling[i] = max(self._running_ceiling[i], running)
@@ -381,9 +388,24 @@ class Router:
         self._detached.rate_changed(rate)
         self._peer_work.rate_changed(rate)
 
-    def _learn_traffic_share(self, i: int, finished: float) -> None:
+    def _arrivals(
+        self, i: int, finished: float, running: float | None, waiting: float | None
+    ) -> float:
+        """Requests that reached the endpoint since it was last read: those it finished plus
+        the growth of its running + waiting ones (from its first reading on). vLLM counts a
+        prefill when its request finishes, so while queues fill, what a router sent leads
+        what finished by every request in them: one of several routers read itself alone
+        (share 1), and a router alone measured nothing until requests finished."""
+        before = self._in_system[i]
+        in_system = np.nan if running is None or waiting is None else running + waiting
+        self._in_system[i] = in_system
+        if np.isnan(before) or np.isnan(in_system):
+            return finished
+        return max(0.0, finished + in_system - before)
+
+    def _learn_traffic_share(self, i: int, arrived: float) -> None:
         """This router's share of the requests the endpoints serve: what it sent them against
-        what they report finishing (vLLM's prefill counter), over about the last
+        what reached them (``_arrivals``), over about the last
         TRAFFIC_SHARE_WINDOWS scrape windows. Under half, other router replicas (or clients)
         place the rest without this router's index, and a cold start that stays on the
         rendezvous pick is what lets their placements meet: the cold-start margin moves
@@ -396,11 +418,11 @@ class Router:
         sent, self._sent[i] = float(self._sent[i]), 0
         keep = 1.0 - 1.0 / TRAFFIC_SHARE_WINDOWS
         self._share_sent = keep * self._share_sent + sent
-        self._share_finished = keep * self._share_finished + finished
-        if self._share_finished < TRAFFIC_SHARE_MIN_REQUESTS:
+        self._share_arrived = keep * self._share_arrived + arrived
+        if self._share_arrived < TRAFFIC_SHARE_MIN_REQUESTS:
             return
-        # Requests in flight make what was sent lead what finished: at most 1.
-        self._traffic_share = min(1.0, self._share_sent / self._share_finished)
+        # Requests still on their way (or an endpoint without queue gauges): at most 1.
+        self._traffic_share = min(1.0, self._share_sent / self._share_arrived)
         self._share_measured = True
         shared = min(1.0, 2.0 * (1.0 - self._traffic_share))
         alone = self._alone_cold_margin

@@ -179,6 +179,7 @@ class RouterService:
             signals.kv_usage,
             capacity,
             prefill_window=signals.window_prefill,
+            counts_finished=signals.prefills is not None,
         )
 
     def _on_peer_placements(self, placements: list[Placement]) -> None:

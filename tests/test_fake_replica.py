@@ -95,6 +95,19 @@ async def test_repeated_prompt_hits_cache_and_is_faster(start: Start, session) -
     assert cold_wall - warm_wall > 0.2  # ~330 ms of simulated prefill saved
 
 
+async def test_a_prefill_is_counted_in_metrics_when_its_request_finishes(start: Start, session):
+    """As vLLM's request_prefill_time_seconds: observed at the request's end, not its first
+    token (a router reading it sees running requests lag; Router._arrivals)."""
+    url, app = await start(decode_ms_per_token=50.0)
+    state = app["state"]
+    async with session.post(url + CHAT, json=chat("hello " * 40, stream=True)) as response:
+        await response.content.readuntil(b"\n\n")  # the first token is out
+        assert (state.prefills, state.prefill_computed_tokens, state.running) == (0, 0, 1)
+        await response.read()
+    assert state.prefills == 1 and state.prefill_computed_tokens == template_tokens("hello " * 40)
+    assert state.prefill_seconds > 0
+
+
 async def test_usage_cached_tokens_and_identical_replies(start: Start, session) -> None:
     url, _ = await start()
     text = "hello world " * 40

@@ -821,12 +821,23 @@ def test_a_session_drawn_by_a_shared_prompt_lands_where_other_routers_look_for_i
     assert len(homes) > 1  # not simply the one endpoint without queued work
 
 
-def _report_finished(router: Router, finished_per_sent: float) -> None:
-    """Each endpoint reports finishing ``finished_per_sent`` x what this router sent it."""
+def _report_finished(
+    router: Router, finished_per_sent: float, queued_per_sent: float | None = None
+) -> None:
+    """Each endpoint reports finishing ``finished_per_sent`` x what this router sent it (and,
+    with ``queued_per_sent``, that many x running + waiting)."""
     for address, sent in zip(router.endpoints, router._sent.tolist(), strict=True):
         if sent:
             window = (1000.0 * sent, sent * finished_per_sent, 0.1 * sent)
-            router.observe_signals(address, up=True, prefill_window=window)
+            queued = None if queued_per_sent is None else sent * queued_per_sent
+            router.observe_signals(
+                address,
+                up=True,
+                running=queued,
+                waiting=queued and 0.0,
+                prefill_window=window,
+                counts_finished=True,
+            )
 
 
 ALONE, SHARED = RoutingConfig().cold_margin, RoutingConfig().shared_cold_margin
@@ -848,6 +859,47 @@ def test_the_cold_margin_widens_as_other_routers_serve_more_of_the_traffic(
     assert router.traffic_share == pytest.approx(share)
     margin = ALONE + (SHARED - ALONE) * widened
     assert router.cold_margin == router.scheduler.cost.cold_margin == pytest.approx(margin)
+
+
+def test_requests_queued_at_the_endpoints_count_as_arrived_so_one_of_four_routers_reads_a_quarter():
+    """vLLM counts a prefill when its request finishes: while queues fill, what this router
+    sent leads what finished; the requests the endpoints hold running or waiting arrived."""
+    router, alone = Router(RoutingConfig(), ENDPOINTS), Router(RoutingConfig(), ENDPOINTS)
+    for r in (router, alone):
+        for address in r.endpoints:  # idle endpoints: no window yet (nothing finished)
+            r.observe_signals(address, up=True, running=0, waiting=0, counts_finished=True)
+        for i in range(24):
+            r.route(chat(f"conversation {i} " * 30))
+    # Four routers sent 4x this one's requests; a quarter of them finished, the rest queued.
+    _report_finished(router, 1.0, queued_per_sent=3.0)
+    assert router.traffic_share == pytest.approx(0.25)
+    assert router.cold_margin == pytest.approx(SHARED)
+    _report_finished(alone, 0.25, queued_per_sent=0.75)  # its own requests, mostly queued
+    assert alone.traffic_share == 1.0 and alone.cold_margin == ALONE
+
+
+def test_a_router_measures_its_share_before_any_request_finishes():
+    """Arrivals are read from the endpoints' queues too, so a router alone knows it is alone
+    while its first requests still run (cold starts balance from then on)."""
+    router = Router(RoutingConfig(), ENDPOINTS)
+    blind = Router(RoutingConfig(), ENDPOINTS)  # its endpoints do not count finished requests
+    for r in (router, blind):
+        for address in r.endpoints:
+            r.observe_signals(address, up=True, running=0, waiting=0, counts_finished=r is router)
+        for i in range(24):
+            r.route(chat(f"conversation {i} " * 30))
+        assert not r._share_measured
+        for address, sent in zip(r.endpoints, r._sent.tolist(), strict=True):
+            r.observe_signals(
+                address,
+                up=True,
+                running=min(sent, 2),
+                waiting=max(0, sent - 2),
+                counts_finished=r is router,
+            )
+    assert router._share_measured and router.traffic_share == 1.0
+    # SGLang, TGI: queues without finished counts tell nothing of other routers' traffic.
+    assert not blind._share_measured and blind.cold_margin == ALONE
 
 
 def test_the_traffic_share_waits_for_enough_finished_requests_and_can_be_switched_off():

@@ -416,3 +416,54 @@ async def test_scraped_signals_reach_the_router():
     finally:
         await svc.stop(0)
         await runner.cleanup()
+
+
+async def test_a_router_measures_its_share_from_the_queues_before_requests_finish():
+    """The replica counts a prefill when its request finishes (as vLLM does); while 20
+    requests this router placed there still run or wait, their arrival is read from the
+    queue gauges, so the router knows it places all the traffic before any finishes."""
+    import aiohttp
+
+    from extproc.fake_replica import ReplicaSettings, start_replica
+
+    settings = ReplicaSettings(
+        name="r", port=0, output_tokens=2, decode_ms_per_token=2000.0, max_num_seqs=20
+    )
+    runner, port = await start_replica(settings)
+    address = f"127.0.0.1:{port}"
+    cfg = load_config(
+        overrides={
+            "server.listen": "127.0.0.1:0",
+            "server.admin_listen": "",
+            "endpoints": address,
+            "health.enabled": False,
+            "signals.interval_seconds": 0.1,
+        },
+        environ={},
+    )
+    svc = RouterService(cfg)
+    await svc.start()
+    try:
+        async with aiohttp.ClientSession() as session:
+            for _ in range(50):  # a first reading of the idle replica
+                if svc.scraper.latest.get(address) is not None:
+                    break
+                await asyncio.sleep(0.05)
+            sent = []
+            for i in range(20):
+                body = {"model": "demo-model", "messages": [{"role": "user", "content": f"q{i}"}]}
+                svc.router.route(parse_request("chat", orjson.dumps(body)))
+                url = f"http://{address}/v1/chat/completions"
+                sent.append(asyncio.ensure_future(session.post(url, json=body)))
+            for _ in range(60):
+                if svc.router._share_measured:
+                    break
+                await asyncio.sleep(0.05)
+            assert svc.scraper.latest[address].prefills == 0  # none finished
+            assert svc.router._share_measured and svc.router.traffic_share == 1.0
+            for task in sent:
+                task.cancel()
+            await asyncio.gather(*sent, return_exceptions=True)
+    finally:
+        await svc.stop(0)
+        await runner.cleanup()

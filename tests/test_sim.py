@@ -305,6 +305,25 @@ def test_preempted_requests_are_all_served_with_one_first_token_each(policy: str
     assert "preemptions" not in summarize(reserving, 1.0)
 
 
+def test_a_replica_reports_a_prefill_when_its_request_finishes_as_vllm_does() -> None:
+    """vLLM observes request_prefill_time_seconds (and the computed tokens) at a request's
+    end; the router reads its traffic share from them (Router._arrivals), so the simulated
+    /metrics must lag the same way while requests run."""
+    for kv_pool in ("preempt", "shared", "split"):
+        replica = Replica(0, 1_000, CostModel(), kv_pool=kv_pool)
+        warm, again = _request(0, (1, 2, 3)), _request(1, (1, 2, 3, 4))
+        for request in (warm, again):
+            replica.enqueue(request)
+            _, hit, _ = replica.start_prefill()
+            replica.end_prefill(request)
+            assert replica.finished_prefills == request.rid  # not yet at its first token
+            replica.finish(request)
+        assert (replica.requests, replica.finished_prefills) == (2, 2)
+        assert replica.finished_prefill_tokens == replica.prompt_tokens - replica.hit_tokens
+        assert replica.hit_tokens == hit == 48
+        assert replica.finished_prefill_ms == pytest.approx(replica.prefill_ms)
+
+
 def test_prefill_cost_matches_the_h200_calibration() -> None:
     cost = CostModel()
     assert cost.prefill_ms(16_384, 0) == pytest.approx(592, rel=0.05)
@@ -336,6 +355,12 @@ def test_hit_accounting_matches_replica_counters_and_ideal_bounds_it(
     assert sum(r.hit_tokens for r in result.records) == sum(x.hit_tokens for x in result.replicas)
     assert sum(x.requests for x in result.replicas) == len(small_chat.requests)
     assert all(x.running == 0 and not x.waiting for x in result.replicas)
+    for x in result.replicas:  # what /metrics reported by the end: every request finished
+        assert (x.finished_prefills, x.finished_prefill_tokens) == (
+            x.requests,
+            x.prompt_tokens - x.hit_tokens,
+        )
+        assert x.finished_prefill_ms == pytest.approx(x.prefill_ms)
     ideal = ideal_hit_tokens(small_chat.requests, 16, params.cache_outputs)
     assert sum(r.hit_tokens for r in result.records) <= ideal
 

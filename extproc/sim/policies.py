@@ -468,13 +468,13 @@ class OursPolicy:
     def _scrape(self, now: float) -> None:
         """What signals.py reads from each model server's /metrics: running and waiting
         requests, KV-cache usage, and the prefill counters' increase since the last scrape
-        (computed tokens, prefills, seconds)."""
+        (computed tokens, prefills, seconds), which vLLM counts as requests finish."""
         for address, replica in zip(self.addresses, self.ctx.replicas, strict=True):
             counters = EndpointSignals(
                 up=True,
-                prefill_tokens=float(replica.prompt_tokens - replica.hit_tokens),
-                prefills=float(replica.requests),
-                prefill_seconds=replica.prefill_ms / 1000.0,
+                prefill_tokens=float(replica.finished_prefill_tokens),
+                prefills=float(replica.finished_prefills),
+                prefill_seconds=replica.finished_prefill_ms / 1000.0,
             )
             before = self.prefill_counters.get(address, _NO_PREFILLS)
             self.prefill_counters[address] = counters
@@ -485,6 +485,7 @@ class OursPolicy:
                 waiting=len(replica.waiting),
                 kv_usage=replica.kv_usage(),
                 prefill_window=prefill_window(before, counters),
+                counts_finished=True,
             )
         self.next_scrape = now + self.signals_every
 

@@ -139,6 +139,13 @@ class Replica:
         self.peak_in_flight = 0
         self.preemptions = 0
         self.recomputed_tokens = 0
+        # What vLLM's /metrics says of prefills (request_prefill_time_seconds,
+        # request_prefill_kv_computed_tokens): observed when a request finishes, not when its
+        # prefill starts, so a router scraping them sees requests in flight lag behind.
+        self.finished_prefills = 0
+        self.finished_prefill_tokens = 0
+        self.finished_prefill_ms = 0.0
+        self._prefill_stats: dict[int, list[float]] = {}  # rid: [computed tokens, ms]
         # KV-cache events (vLLM's BlockStored / BlockRemoved), for a router that subscribes
         # (listen_cache_events); None: nobody does. A prompt's blocks are announced when its
         # prefill ends, as vLLM announces blocks once computed; evictions at once.
@@ -268,7 +275,10 @@ class Replica:
         self.running += 1
         self.running_tokens += request.input_tokens + request.output_tokens
         self.prefill_ms += duration
+        stats = self._prefill_stats.setdefault(request.rid, [0.0, 0.0])
+        stats[1] += duration
         if first:
+            stats[0] = request.input_tokens - hit
             self.requests += 1
             self.prompt_tokens += request.input_tokens
             self.hit_tokens += hit
@@ -369,3 +379,7 @@ class Replica:
         self._flush_events()
         self.running -= 1
         self.running_tokens -= request.input_tokens + request.output_tokens
+        computed, ms = self._prefill_stats.pop(request.rid)
+        self.finished_prefills += 1
+        self.finished_prefill_tokens += int(computed)
+        self.finished_prefill_ms += ms

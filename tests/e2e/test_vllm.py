@@ -255,6 +255,54 @@ def test_two_router_replicas_measure_their_share_of_vllms_traffic(
             assert reading.get("requests routed", 0) >= sent / 4, (name, readings)
 
 
+def test_two_routers_read_their_share_while_vllm_still_runs_their_requests(
+    vllm_endpoints: list[str],
+) -> None:
+    """vLLM counts a prefill (request_prefill_time_seconds) when its request finishes. Two
+    routers, each behind its own Envoy, send 24 long answers at once; while fewer than half
+    have finished, each must already read its share (about half), from the growth of vLLM's
+    running + waiting gauges (Router._arrivals). Read from finished requests alone, each
+    would still be at 1 (its 12 sent against at most 12 finished): a router alone. The
+    share is checked against what each router routed (counted as its requests end), as in
+    the test above: Envoy may pass a request on without a router on a starved machine."""
+    _wait_until_idle(vllm_endpoints)
+    finished_before = _prefills(vllm_endpoints)
+    sent = 24
+    with Stack() as stack:
+        endpoints = {"router-a": vllm_endpoints, "router-b": vllm_endpoints}
+        envoys = stack.start_peer_routers(endpoints, ["--set", "signals.interval_seconds=0.5"])
+        admin = {name: stack.router_admin_ports[name] for name in endpoints}
+        names = list(envoys)
+        time.sleep(1.5)  # the routers read the idle servers first
+        seen = []  # (requests vLLM finished, each router's share)
+        with ThreadPoolExecutor(sent) as pool:
+            answers = [
+                pool.submit(_answer, f"{LOOPBACK}:{envoys[names[i % 2]]}", 1000 + i, 1024)
+                for i in range(sent)
+            ]
+            deadline = time.monotonic() + 180
+            while not all(a.done() for a in answers):
+                assert time.monotonic() < deadline, seen
+                time.sleep(0.5)
+                finished = _prefills(vllm_endpoints) - finished_before
+                readings = {name: _router_reading(port) for name, port in admin.items()}
+                shares = {n: r.get("prefix_router_traffic_share", 1) for n, r in readings.items()}
+                seen.append((finished, shares))
+            assert [a.result() for a in answers] == [200] * sent
+        routed = {
+            name: _router_reading(port).get("requests routed", 0) for name, port in admin.items()
+        }
+        print(f"two routers on vLLM, routed {routed}; (finished, shares) while running: {seen}")
+        for name in names:  # most requests were placed by the routers, evenly
+            assert routed[name] >= sent / 4, (routed, seen)
+        early = [
+            shares
+            for finished, shares in seen
+            if finished < sent / 2 and all(abs(shares[n] - routed[n] / sent) < 0.15 for n in names)
+        ]
+        assert early, (routed, seen)
+
+
 def _prefills(addresses: list[str]) -> float:
     """Requests the servers report finishing (vLLM's prefill counter, what routers read)."""
     total = 0.0
