@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+from typing import Any
 
 import grpc
 import orjson
@@ -388,10 +389,12 @@ async def test_dns_discovery_feeds_the_router_and_readiness():
     await svc.stop(0)
 
 
-async def test_scraped_signals_reach_the_router():
+async def _service_on_a_replica(**settings) -> tuple[RouterService, Any, str]:
+    """A started router service (no admin port, no health checks, scraping every 0.1 s) on
+    one stand-in replica with these settings: (service, the replica's runner, its address)."""
     from extproc.fake_replica import ReplicaSettings, start_replica
 
-    runner, port = await start_replica(ReplicaSettings(name="r", port=0, capacity_tokens=32768))
+    runner, port = await start_replica(ReplicaSettings(name="r", port=0, **settings))
     address = f"127.0.0.1:{port}"
     cfg = load_config(
         overrides={
@@ -405,6 +408,11 @@ async def test_scraped_signals_reach_the_router():
     )
     svc = RouterService(cfg)
     await svc.start()
+    return svc, runner, address
+
+
+async def test_scraped_signals_reach_the_router():
+    svc, runner, address = await _service_on_a_replica(capacity_tokens=32768)
     try:
         for _ in range(50):
             if svc.router.index.capacity(address) != svc.router.capacity_blocks(None):
@@ -424,25 +432,9 @@ async def test_a_router_measures_its_share_from_the_queues_before_requests_finis
     queue gauges, so the router knows it places all the traffic before any finishes."""
     import aiohttp
 
-    from extproc.fake_replica import ReplicaSettings, start_replica
-
-    settings = ReplicaSettings(
-        name="r", port=0, output_tokens=2, decode_ms_per_token=2000.0, max_num_seqs=20
+    svc, runner, address = await _service_on_a_replica(
+        output_tokens=2, decode_ms_per_token=2000.0, max_num_seqs=20
     )
-    runner, port = await start_replica(settings)
-    address = f"127.0.0.1:{port}"
-    cfg = load_config(
-        overrides={
-            "server.listen": "127.0.0.1:0",
-            "server.admin_listen": "",
-            "endpoints": address,
-            "health.enabled": False,
-            "signals.interval_seconds": 0.1,
-        },
-        environ={},
-    )
-    svc = RouterService(cfg)
-    await svc.start()
     try:
         async with aiohttp.ClientSession() as session:
             for _ in range(50):  # a first reading of the idle replica

@@ -11,10 +11,12 @@ consumed them.
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import inspect
 import time
 import urllib.request
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 import orjson
@@ -220,13 +222,8 @@ def test_two_router_replicas_measure_their_share_of_vllms_traffic(
     on without waiting for its router (ext_proc's message timeout, fail-open), and that
     request really is traffic the router did not place. A router that routed under half of
     its requests fails the test outright (the failure says how many bypassed it)."""
-    _wait_until_idle(vllm_endpoints)
-    finished_before = _prefills(vllm_endpoints)
     sent = 24
-    with Stack() as stack:
-        endpoints = {"router-a": vllm_endpoints, "router-b": vllm_endpoints}
-        envoys = stack.start_peer_routers(endpoints, ["--set", "signals.interval_seconds=0.5"])
-        admin = {name: stack.router_admin_ports[name] for name in endpoints}
+    with _two_peer_routers(vllm_endpoints) as (stack, envoys, admin, finished_before):
         names = list(envoys)
         for i in range(sent):  # one at a time: what finished equals what was sent
             reply = _chat(f"{LOOPBACK}:{envoys[names[i % 2]]}", f"question {i}: name a colour.")
@@ -265,13 +262,8 @@ def test_two_routers_read_their_share_while_vllm_still_runs_their_requests(
     would still be at 1 (its 12 sent against at most 12 finished): a router alone. The
     share is checked against what each router routed (counted as its requests end), as in
     the test above: Envoy may pass a request on without a router on a starved machine."""
-    _wait_until_idle(vllm_endpoints)
-    finished_before = _prefills(vllm_endpoints)
     sent = 24
-    with Stack() as stack:
-        endpoints = {"router-a": vllm_endpoints, "router-b": vllm_endpoints}
-        envoys = stack.start_peer_routers(endpoints, ["--set", "signals.interval_seconds=0.5"])
-        admin = {name: stack.router_admin_ports[name] for name in endpoints}
+    with _two_peer_routers(vllm_endpoints) as (_, envoys, admin, finished_before):
         names = list(envoys)
         time.sleep(1.5)  # the routers read the idle servers first
         seen = []  # (requests vLLM finished, each router's share)
@@ -301,6 +293,23 @@ def test_two_routers_read_their_share_while_vllm_still_runs_their_requests(
             if finished < sent / 2 and all(abs(shares[n] - routed[n] / sent) < 0.15 for n in names)
         ]
         assert early, (routed, seen)
+
+
+@contextlib.contextmanager
+def _two_peer_routers(
+    endpoints: list[str],
+) -> Iterator[tuple[Stack, dict[str, int], dict[str, int], float]]:
+    """Once the servers are idle: routers router-a and router-b on all of them, peers of
+    each other, each behind its own Envoy, reading the servers' metrics every 0.5 s. Yields
+    (the stack, Envoy ports and admin ports by name, the servers' finished count before)."""
+    _wait_until_idle(endpoints)
+    finished_before = _prefills(endpoints)
+    names = ("router-a", "router-b")
+    with Stack() as stack:
+        envoys = stack.start_peer_routers(
+            {name: endpoints for name in names}, ["--set", "signals.interval_seconds=0.5"]
+        )
+        yield stack, envoys, {n: stack.router_admin_ports[n] for n in names}, finished_before
 
 
 def _prefills(addresses: list[str]) -> float:
