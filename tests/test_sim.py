@@ -316,7 +316,7 @@ def test_a_replica_reports_a_prefill_when_its_request_finishes_as_vllm_does() ->
             replica.enqueue(request)
             _, hit, _ = replica.start_prefill()
             replica.end_prefill(request)
-            assert replica.finished_prefills == request.rid  # not yet at its first token
+            assert replica.finished_prefills == request.rid  # first token out, not finished
             replica.finish(request)
         assert (replica.requests, replica.finished_prefills) == (2, 2)
         assert replica.finished_prefill_tokens == replica.prompt_tokens - replica.hit_tokens
