@@ -612,6 +612,14 @@ def test_the_wait_for_kv_memory_is_priced_by_how_fast_the_endpoint_admits_reques
     assert stay.endpoint == home and queued == round(5 * typical)
     home, stay, queued, typical, _ = second_turn(config, finished=0.0)
     assert stay.endpoint == home and queued == round(5 * typical)
+    # None finished, one more running: admitted all the same (vLLM counts a prefill when its
+    # request finishes, so the finished count lags admissions by a request's decode).
+    home, moved, queued, _, drain = _second_turn_after_two_scrapes(
+        config,
+        dict(running=4, waiting=5, kv_usage=0.5),
+        dict(running=5, waiting=5, kv_usage=0.95),
+    )
+    assert moved.endpoint != home and queued == pytest.approx(5 / 0.5 * drain, rel=0.01)
 
 
 def test_requests_waiting_for_a_batch_slot_are_priced_like_those_waiting_for_memory():
