@@ -323,7 +323,8 @@ class RoutingConfig(_Strict):
     kv_wait_from_admissions: bool = Field(
         default=True,
         description="price the wait at an endpoint waiting for KV memory by its admission "
-        "rate (requests it finishes per second), not by the prefills of its waiting requests",
+        "rate (requests it finishes per second plus the growth of its running ones), not by "
+        "the prefills of its waiting requests",
     )
     kv_saturated_fraction: float = Field(
         # 0.98 until item 25 (docs/benchmarks.md): a cache a little short of full still takes

@@ -265,7 +265,8 @@ class Router:
         if prefill_window is not None or (counts_finished and up):
             self._learn_traffic_share(i, self._arrivals(i, finished, running, waiting))
         if up:
-            self._learn_admissions(i, finished, running)
+            # Without the finished count, running's growth alone would read as the rate.
+            self._learn_admissions(i, finished, running if counts_finished else None)
         self._unseen_work.amount[i] = self._blocked_work.amount[i] = 0.0
         if up and running is not None:
             self._running_ceiling[i] = max(self._running_ceiling[i], running)

@@ -612,14 +612,21 @@ def test_the_wait_for_kv_memory_is_priced_by_how_fast_the_endpoint_admits_reques
     assert stay.endpoint == home and queued == round(5 * typical)
     home, stay, queued, typical, _ = second_turn(config, finished=0.0)
     assert stay.endpoint == home and queued == round(5 * typical)
+
     # None finished, one more running: admitted all the same (vLLM counts a prefill when its
     # request finishes, so the finished count lags admissions by a request's decode).
-    home, moved, queued, _, drain = _second_turn_after_two_scrapes(
-        config,
-        dict(running=4, waiting=5, kv_usage=0.5),
-        dict(running=5, waiting=5, kv_usage=0.95),
-    )
+    def growing(counts_finished: bool):
+        return _second_turn_after_two_scrapes(
+            config,
+            dict(running=4, waiting=5, kv_usage=0.5, counts_finished=counts_finished),
+            dict(running=5, waiting=5, kv_usage=0.95, counts_finished=counts_finished),
+        )
+
+    home, moved, queued, _, drain = growing(counts_finished=True)
     assert moved.endpoint != home and queued == pytest.approx(5 / 0.5 * drain, rel=0.01)
+    # A server that does not count finished requests (SGLang, TGI): no rate, it stays.
+    home, stay, queued, typical, _ = growing(counts_finished=False)
+    assert stay.endpoint == home and queued == round(5 * typical)
 
 
 def test_requests_waiting_for_a_batch_slot_are_priced_like_those_waiting_for_memory():
