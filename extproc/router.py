@@ -143,7 +143,7 @@ class Router:
         # The most requests each endpoint was seen running (its batch-slot ceiling, as far
         # as this router can tell: ``_slot_bound``).
         self._running_ceiling = np.zeros(0)
-        # Requests each endpoint finished and the time it took, decaying sums over its last
+        # Requests each endpoint admitted and the time it took, decaying sums over its last
         # ADMISSION_WINDOWS scrapes, and the clock time of its last scrape (NaN: none yet).
         self._admitted = np.zeros(0)
         self._running_read = np.zeros(0)  # each endpoint's running requests at its last read
