@@ -146,7 +146,6 @@ class Router:
         # Requests each endpoint admitted and the time it took, decaying sums over its last
         # ADMISSION_WINDOWS scrapes, and the clock time of its last scrape (NaN: none yet).
         self._admitted = np.zeros(0)
-        self._running_read = np.zeros(0)  # each endpoint's running requests at its last read
         self._admitted_seconds = np.zeros(0)
         self._scraped_at = np.zeros(0)
         self._detached = _DrainingWork()
@@ -167,8 +166,10 @@ class Router:
         # Requests this router sent each endpoint since its share was last read there, and
         # decaying sums of those and of the requests that reached the endpoints.
         self._sent = np.zeros(0, dtype=np.int64)
-        # Each endpoint's running + waiting requests when it was last read (_arrivals).
-        self._in_system = np.zeros(0)
+        # Each endpoint's running and waiting requests at its last up scrape, where it counts
+        # finished requests (NaN: no such reading), which arrivals and admissions grow from.
+        self._running_read = np.zeros(0)
+        self._waiting_read = np.zeros(0)
         self._share_sent = self._share_arrived = 0.0
         self._traffic_share = 1.0
         self._share_measured = False
@@ -210,7 +211,8 @@ class Router:
         self._in_flight = carried(self._in_flight, 0, np.int64)
         self._others_load = carried(self._others_load, 0.0, np.float64)
         self._sent = carried(self._sent, 0, np.int64)
-        self._in_system = carried(self._in_system, np.nan, np.float64)
+        self._running_read = carried(self._running_read, np.nan, np.float64)
+        self._waiting_read = carried(self._waiting_read, np.nan, np.float64)
         self._healthy = carried(self._healthy, True, bool)
         self._work = carried(self._work, 0.0, np.float64)
         self._placed = carried(self._placed, 0.0, np.float64)
@@ -221,7 +223,6 @@ class Router:
         self._no_room = carried(self._no_room, False, bool)
         self._running_ceiling = carried(self._running_ceiling, 0.0, np.float64)
         self._admitted = carried(self._admitted, 0.0, np.float64)
-        self._running_read = carried(self._running_read, np.nan, np.float64)
         self._admitted_seconds = carried(self._admitted_seconds, 0.0, np.float64)
         self._scraped_at = carried(self._scraped_at, np.nan, np.float64)
         for draining in (self._unseen_work, self._blocked_work, self._detached, self._peer_work):
@@ -262,11 +263,18 @@ class Router:
         finished = 0.0 if prefill_window is None else prefill_window[1]
         if prefill_window is not None:
             self._learn_prefill_rate(*prefill_window)
-        if prefill_window is not None or (counts_finished and up):
-            self._learn_traffic_share(i, self._arrivals(i, finished, running, waiting))
+        # A finished count (a window, or none finished) makes the queues' growth arrivals.
+        counts_finished = counts_finished or prefill_window is not None
+        grew_running = grew = np.nan
         if up:
-            # Without the finished count, running's growth alone would read as the rate.
-            self._learn_admissions(i, finished, running if counts_finished else None)
+            was_running, was_waiting = self._running_read[i], self._waiting_read[i]
+            for read, value in ((self._running_read, running), (self._waiting_read, waiting)):
+                read[i] = value if counts_finished and value is not None else np.nan
+            grew_running = self._running_read[i] - was_running
+            grew = grew_running + self._waiting_read[i] - was_waiting
+            self._learn_admissions(i, self._arrivals(finished, grew_running))
+        if counts_finished and (up or prefill_window is not None):
+            self._learn_traffic_share(i, self._arrivals(finished, grew))
         self._unseen_work.amount[i] = self._blocked_work.amount[i] = 0.0
         if up and running is not None:
             self._running_ceiling[i] = max(self._running_ceiling[i], running)
@@ -324,23 +332,17 @@ class Router:
         others = min(1.0, float(self._others_load.sum()) / reported)
         return max(beyond, waiting * others)
 
-    def _learn_admissions(self, i: int, finished: float, running: float | None) -> None:
+    def _learn_admissions(self, i: int, admitted: float) -> None:
         """How many requests the endpoint admits per second: what prices the wait there
         (``observe_signals``). Those it finished plus the growth of its running ones (vLLM
         counts a request's prefill when it finishes, so finishes alone lag admissions by a
         request's decode: in the simulator, counting as vLLM does, GAIE 4 x 400k's p99 went
-        245 -> 259 ms with finishes alone and back to 244 with this; docs/benchmarks.md)."""
+        245 -> 259 ms with finishes alone and back to 244 with this; docs/benchmarks.md).
+        Where finished requests are not counted, running's growth alone is not the rate."""
         now = self.clock()
         since, self._scraped_at[i] = self._scraped_at[i], now
-        before, self._running_read[i] = (
-            self._running_read[i],
-            np.nan if running is None else running,
-        )
         if np.isnan(since) or now <= since:
             return
-        admitted = finished
-        if running is not None and not np.isnan(before):
-            admitted = max(0.0, finished + running - before)
         keep = 1.0 - 1.0 / ADMISSION_WINDOWS
         self._admitted[i] = keep * self._admitted[i] + admitted
         self._admitted_seconds[i] = keep * self._admitted_seconds[i] + (now - since)
@@ -401,20 +403,15 @@ class Router:
         self._detached.rate_changed(rate)
         self._peer_work.rate_changed(rate)
 
-    def _arrivals(
-        self, i: int, finished: float, running: float | None, waiting: float | None
-    ) -> float:
-        """Requests that reached the endpoint since it was last read: those it finished plus
-        the growth of its running + waiting ones (from its first reading on). vLLM counts a
-        prefill when its request finishes, so while queues fill, what a router sent leads
-        what finished by every request in them: one of several routers read itself alone
-        (share 1), and a router alone measured nothing until requests finished."""
-        before = self._in_system[i]
-        in_system = np.nan if running is None or waiting is None else running + waiting
-        self._in_system[i] = in_system
-        if np.isnan(before) or np.isnan(in_system):
-            return finished
-        return max(0.0, finished + in_system - before)
+    @staticmethod
+    def _arrivals(finished: float, grew: float) -> float:
+        """Requests that reached an endpoint (or its batch) since it was last read: those it
+        finished plus the growth of its queues (NaN: no earlier reading, finishes alone).
+        vLLM counts a prefill when its request finishes, so while queues fill, what a router
+        sent leads what finished by every request in them: one of several routers read
+        itself alone (share 1), and a router alone measured nothing until requests
+        finished."""
+        return finished if np.isnan(grew) else max(0.0, finished + grew)
 
     def _learn_traffic_share(self, i: int, arrived: float) -> None:
         """This router's share of the requests the endpoints serve: what it sent them against

@@ -840,16 +840,18 @@ def _report_finished(
     router: Router, finished_per_sent: float, queued_per_sent: float | None = None
 ) -> None:
     """Each endpoint reports finishing ``finished_per_sent`` x what this router sent it (and,
-    with ``queued_per_sent``, that many x running + waiting)."""
+    with ``queued_per_sent``, that many x running, none waiting; without, no queue gauges)."""
     for address, sent in zip(router.endpoints, router._sent.tolist(), strict=True):
         if sent:
             window = (1000.0 * sent, sent * finished_per_sent, 0.1 * sent)
-            queued = None if queued_per_sent is None else sent * queued_per_sent
+            running = waiting = None
+            if queued_per_sent is not None:
+                running, waiting = sent * queued_per_sent, 0.0
             router.observe_signals(
                 address,
                 up=True,
-                running=queued,
-                waiting=queued and 0.0,
+                running=running,
+                waiting=waiting,
                 prefill_window=window,
                 counts_finished=True,
             )
