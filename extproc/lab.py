@@ -228,6 +228,15 @@ def sentencepiece_tokenizer(
     return out
 
 
+def lora_adapter(python: Path, model_dir: Path, out: Path) -> Path:
+    """A LoRA adapter for the tiny model, built in ``out`` by ``python`` (the vLLM env):
+    model_fixture.lora_adapter."""
+    done = _run_fixture(python, out, "--lora-for", str(model_dir))
+    if done.returncode != 0:
+        raise RuntimeError(f"LoRA fixture build failed:\n{done.stdout}\n{done.stderr}")
+    return out
+
+
 def _run_fixture(python: Path, out: Path, *args: str) -> subprocess.CompletedProcess[str]:
     return run_module(python, "extproc.model_fixture", "--out", str(out), *args)
 

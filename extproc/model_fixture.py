@@ -16,7 +16,8 @@ in the router's: run this module with that environment's interpreter (``extproc.
     PYTHONPATH=<repo> <vllm-venv>/bin/python -m extproc.model_fixture --out DIR
 
 ``--sentencepiece-for MODEL_DIR`` writes instead a SentencePiece-style tokeniser (Llama 2's
-shape) that the same model serves with vLLM's ``--tokenizer`` (the KV-cache events tests).
+shape) that the same model serves with vLLM's ``--tokenizer`` (the KV-cache events tests), and
+``--lora-for MODEL_DIR`` a LoRA adapter for it in PEFT's layout (vLLM's ``--lora-modules``).
 
 The module imports only the standard library at top level, so the router side can compute
 the directory (:func:`default_dir`) and check it (:func:`is_complete`) without torch.
@@ -286,6 +287,47 @@ def sentencepiece_tokenizer(
     return out
 
 
+def lora_adapter(out: Path, model_dir: Path, rank: int = 8) -> Path:
+    """A LoRA adapter for the model in ``model_dir``, in PEFT's layout (adapter_config.json,
+    adapter_model.safetensors): rank ``rank`` on every layer's q_proj and v_proj, small
+    random weights (both factors non-zero, so the adapter changes what the model writes).
+    vLLM serves it under a name of its own (``--lora-modules NAME=DIR``), and keys its
+    cached blocks by that name. Needs torch and safetensors (the vLLM environment)."""
+    import torch
+    from safetensors.torch import save_file
+
+    config = json.loads((model_dir / "config.json").read_text())
+    hidden, layers = int(config["hidden_size"]), int(config["num_hidden_layers"])
+    head_dim = hidden // int(config["num_attention_heads"])
+    outputs = {
+        "q_proj": int(config["num_attention_heads"]) * head_dim,
+        "v_proj": int(config["num_key_value_heads"]) * head_dim,
+    }
+    generator = torch.Generator().manual_seed(int(RECIPE["seed"]))  # type: ignore[call-overload]
+    tensors = {}
+    for layer in range(layers):
+        for module, size in outputs.items():
+            name = f"base_model.model.model.layers.{layer}.self_attn.{module}"
+            tensors[f"{name}.lora_A.weight"] = 0.05 * torch.randn(rank, hidden, generator=generator)
+            tensors[f"{name}.lora_B.weight"] = 0.05 * torch.randn(size, rank, generator=generator)
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(out / "adapter_model.safetensors"))
+    adapter = {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "base_model_name_or_path": str(model_dir),
+        "r": rank,
+        "lora_alpha": 2 * rank,
+        "lora_dropout": 0.0,
+        "target_modules": sorted(outputs),
+        "bias": "none",
+        "fan_in_fan_out": False,
+        "modules_to_save": None,
+    }
+    (out / "adapter_config.json").write_text(json.dumps(adapter, indent=2))
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True, help="directory to build (skipped if complete)")
@@ -306,8 +348,17 @@ def main(argv: list[str] | None = None) -> int:
         default="unset",
         help="with --sentencepiece-for: tokenizer_config.json's legacy",
     )
+    parser.add_argument(
+        "--lora-for",
+        metavar="MODEL_DIR",
+        help="instead: write a LoRA adapter for that model into --out",
+    )
     args = parser.parse_args(argv)
     out = Path(args.out).expanduser()
+    if args.lora_for:
+        lora_adapter(out, Path(args.lora_for))
+        print(f"model fixture: a LoRA adapter in {out}")
+        return 0
     if args.sentencepiece_for:
         config = json.loads((Path(args.sentencepiece_for) / "config.json").read_text())
         legacy = None if args.legacy == "unset" else args.legacy == "true"

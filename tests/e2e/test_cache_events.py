@@ -60,9 +60,9 @@ def vllm_with_events(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Event
         yield EventsServer(servers[0].address, directory, lab.ensure_model(lab.ensure_vllm_env()))
 
 
-def _chat(address: str, messages: list[dict[str, str]]) -> str:
+def _chat(address: str, messages: list[dict[str, str]], model: str = lab.SERVED_MODEL_NAME) -> str:
     body = {
-        "model": lab.SERVED_MODEL_NAME,
+        "model": model,
         "messages": messages,
         "max_tokens": 96,
         "temperature": 0,
@@ -515,6 +515,84 @@ def test_vllms_events_of_a_salted_chat_translate_with_its_salt(
     assert announced[:4] != next_turn("")[:4]
 
 
+ADAPTER = "tiny-lora"
+
+
+def test_a_lora_adapters_events_translate_to_its_own_router_hashes(
+    vllm_with_events: EventsServer, tmp_path: Path
+) -> None:
+    """vLLM keys a LoRA adapter's cached blocks by the adapter's name (a request for the
+    base model cannot reuse them, nor the adapter the base model's) and publishes the name
+    with every block. A second vLLM serves the tiny model with an adapter
+    (``--lora-modules``): the same conversation sent to the base model and to the adapter
+    is stored twice, and each translates into its own next turn's router hashes (rooted at
+    the model name the client sent), replies included. A router behind Envoy reading those
+    events matches the adapter's next turn, which it never saw, and nothing of the same
+    turn sent to the base model."""
+    python = lab.ensure_vllm_env()
+    model_dir = vllm_with_events.model_dir
+    adapter = lab.lora_adapter(python, model_dir, tmp_path / "lora")
+    server = lab.start_vllm(
+        python,
+        model_dir,
+        "vllm-lora",
+        lab.core_for(1),
+        tmp_path,
+        extra_args=[
+            *("--enable-lora", "--lora-modules", f"{ADAPTER}={adapter}"),
+            *("--max-lora-rank", "8", "--max-loras", "1"),
+        ],
+        kv_events_dir=tmp_path,
+    )
+    served = EventsServer(server.address, tmp_path, model_dir)
+    messages = [
+        {"role": "system", "content": "You speak for one fine-tuned adapter. " * 8},
+        {"role": "user", "content": "Whose cache does an adapter's request use? " * 4},
+    ]
+    try:
+        lab.wait_healthy([server])
+        with _listening(served) as (table, subscriber):
+            base_reply = _chat(server.address, messages)
+            base = _translated(table, _read_events(subscriber))
+            reply = _chat(server.address, messages, ADAPTER)
+            received = _read_events(subscriber)
+            adapted = _translated(table, received)
+        names = {
+            event.get("lora_name")
+            for frames in received
+            for event in cache_events.decode_message(frames)[1]
+            if isinstance(event, dict) and event.get("type") == "BlockStored"
+        }
+        with Stack() as stack:
+            args = [*served.router_args(), "--set", "cache_events.replay="]
+            admin, envoy = _router_behind_envoy(stack, server.address, args)
+            _post(server.address, "/reset_prefix_cache")
+            following = _then(messages, _chat(server.address, messages, ADAPTER), "Go on.")
+            _wait_for_count(admin, "stored_blocks", _router_blocks(messages))
+            decision = _routed_through(envoy, admin, following, ADAPTER)
+            as_base = _routed_through(envoy, admin, following)
+            counts = _cache_event_counts(admin)
+    finally:
+        lab.stop_all([server])
+    first_turn = _router_blocks(messages)
+    expected = _router_hashes("chat", {"messages": _then(messages, reply, "Go on.")}, "", ADAPTER)
+    expected_base = _router_hashes("chat", {"messages": _then(messages, base_reply, "Go on.")})
+    print(
+        f"lora names {names}; base: {len(base)} router blocks announced, adapter: "
+        f"{len(adapted)} (first turn {first_turn}; replies {base_reply[:20]!r}, "
+        f"{reply[:20]!r}); untranslated {table.untranslated}; through Envoy, the adapter's "
+        f"next turn {_matched(decision)}, the base model's {_matched(as_base)}; {counts}"
+    )
+    assert names == {ADAPTER}
+    assert table.untranslated == 0
+    # Stored twice, each chain its own model's: vLLM reused nothing across them.
+    assert base == expected_base[: len(base)] and len(base) > first_turn
+    assert adapted == expected[: len(adapted)] and len(adapted) > first_turn
+    assert not set(adapted) & set(base)
+    assert decision["matched_blocks"] > first_turn, (decision, counts)
+    assert as_base["matched_blocks"] == 0, (as_base, counts)
+
+
 def _cache_event_counts(admin_port: int) -> dict[str, float]:
     text = urllib.request.urlopen(f"http://{LOOPBACK}:{admin_port}/metrics", timeout=10).read()
     return {
@@ -542,11 +620,13 @@ def _then(messages: list[dict[str, str]], reply: str, question: str) -> list[dic
     ]
 
 
-def _router_hashes(api: str, payload: dict[str, object], salt: str = "") -> list[int]:
+def _router_hashes(
+    api: str, payload: dict[str, object], salt: str = "", model: str = lab.SERVED_MODEL_NAME
+) -> list[int]:
     """The router's block hashes of a request (``payload``: its body but the model)."""
     routing = RoutingConfig()
-    body = orjson.dumps({"model": lab.SERVED_MODEL_NAME, **payload})
-    root = root_hash(lab.SERVED_MODEL_NAME, salt)
+    body = orjson.dumps({"model": model, **payload})
+    root = root_hash(model, salt)
     prompt = parse_request(api, body).prompt
     return block_hashes(prompt, root, routing.block_size_bytes, routing.max_blocks).tolist()
 
@@ -581,17 +661,27 @@ def _wait_until_settled(admin_port: int, quiet_seconds: float = 1.0) -> None:
             last, since = now, time.monotonic()
 
 
-def _routed_through(envoy_port: int, admin_port: int, messages: list[dict[str, str]] | str) -> dict:
+def _routed_decisions(admin_port: int) -> list[dict]:
+    url = f"http://{LOOPBACK}:{admin_port}/debug/decisions?outcome=routed"
+    return orjson.loads(urllib.request.urlopen(url, timeout=10).read())["decisions"]
+
+
+def _routed_through(
+    envoy_port: int,
+    admin_port: int,
+    messages: list[dict[str, str]] | str,
+    model: str = lab.SERVED_MODEL_NAME,
+) -> dict:
     """Send a conversation (or a completions prompt) through Envoy; the router's decision."""
+    before = len(_routed_decisions(admin_port))
     if isinstance(messages, str):
         _complete(f"{LOOPBACK}:{envoy_port}", messages)
     else:
-        _chat(f"{LOOPBACK}:{envoy_port}", messages)
-    url = f"http://{LOOPBACK}:{admin_port}/debug/decisions?outcome=routed"
+        _chat(f"{LOOPBACK}:{envoy_port}", messages, model)
     deadline = time.monotonic() + 30
     while True:  # recorded when the stream ends, just after the reply
-        routed = orjson.loads(urllib.request.urlopen(url, timeout=10).read())["decisions"]
-        if routed:
+        routed = _routed_decisions(admin_port)
+        if len(routed) > before:
             return routed[0]["decision"]
         assert time.monotonic() < deadline, "no routed decision"
         time.sleep(0.1)
