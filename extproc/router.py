@@ -46,6 +46,10 @@ log = logging.getLogger(__name__)
 # of any endpoint, and moves once they hold this many finished prefills.
 PREFILL_RATE_WINDOWS = 32
 PREFILL_RATE_MIN_PREFILLS = 16
+# A window whose prefills took longer than this on average teaches no rate: vLLM 0.32 records
+# a request that failed before it was scheduled (a grammar that did not compile, a KV load
+# that failed) with a prefill time equal to its monotonic clock, the host's uptime.
+PREFILL_SECONDS_MAX = 600.0
 # This router's share of the requests that reach the endpoints (Router._learn_traffic_share):
 # decaying sums over about this many scrape windows, trusted once they hold this many.
 TRAFFIC_SHARE_WINDOWS = 64
@@ -385,6 +389,8 @@ class Router:
         cfg, cost = self.config, self.cost
         if not cfg.learn_prefill_rate or cost.drain_per_second <= 0 or prefills <= 0:
             return
+        if seconds > prefills * PREFILL_SECONDS_MAX:
+            return  # PREFILL_SECONDS_MAX: one such request would hold the rate at its floor
         mean = tokens / prefills
         work = tokens + prefills * (cost.base_tokens + cost.ctx_factor * mean * mean / 2)
         keep = 1.0 - 1.0 / PREFILL_RATE_WINDOWS

@@ -21,7 +21,11 @@ from .poller import EndpointPoller, fetch_parsed
 
 log = logging.getLogger(__name__)
 
-# sample name -> field; first listed wins when a server exports several.
+# sample name -> field. A server that exports two names for one field (a new name and the
+# one it replaced) is read by the first listed. A server with several engines (vLLM's data
+# parallel behind one port: one series per ``engine`` label) is read as one endpoint: its
+# engines' requests and counters add up, their KV usage is the mean (as vLLM's own log line
+# has it; the sum of two half-full engines read as a full cache) and their KV blocks add up.
 _GAUGES = {
     "vllm:num_requests_running": "running",
     "sglang:num_running_reqs": "running",
@@ -31,6 +35,7 @@ _GAUGES = {
     "vllm:gpu_cache_usage_perc": "kv_usage",
     "sglang:token_usage": "kv_usage",
 }
+_MEAN_FIELDS = frozenset({"kv_usage"})
 _COUNTERS = {
     "vllm:prefix_cache_hits_total": "hits",
     "vllm:prefix_cache_queries_total": "queries",
@@ -78,19 +83,24 @@ def _samples_read(text: str) -> str:
 
 def parse_metrics(text: str) -> EndpointSignals:
     signals = EndpointSignals(up=True)
-    sums: dict[str, float] = {}
+    series: dict[str, list[float]] = {}  # sample name -> its series' values
+    blocks: dict[str, int] = {}  # engine -> its KV blocks
     for family in text_string_to_metric_families(_samples_read(text)):
         for sample in family.samples:
             name = sample.name
             if name in _GAUGES or name in _COUNTERS:
-                field = _GAUGES.get(name) or _COUNTERS[name]
-                sums[field] = sums.get(field, 0.0) + sample.value
+                series.setdefault(name, []).append(sample.value)
             elif name == _CONFIG_INFO:
                 with contextlib.suppress(KeyError, ValueError):
                     signals.block_size = int(sample.labels["block_size"])
-                    signals.num_blocks = int(sample.labels["num_gpu_blocks"])
-    for field, value in sums.items():
-        setattr(signals, field, value)
+                    blocks[sample.labels.get("engine", "")] = int(sample.labels["num_gpu_blocks"])
+    if blocks:
+        signals.num_blocks = sum(blocks.values())
+    for name, field in (*_GAUGES.items(), *_COUNTERS.items()):
+        values = series.get(name)
+        if values and getattr(signals, field) is None:
+            total = sum(values)
+            setattr(signals, field, total / len(values) if field in _MEAN_FIELDS else total)
     return signals
 
 

@@ -786,6 +786,12 @@ def test_the_prefill_rate_is_learned_from_what_the_endpoints_report():
     cost = router.cost
     per_request = 1000 + cost.base_tokens + cost.ctx_factor * 1000 * 1000 / 2
     assert router.prefill_rate == pytest.approx(8 * per_request / 2.0)  # ~12,900
+    # vLLM records a request that failed before it was scheduled with a prefill time of its
+    # clock (the host's uptime): that window teaches no rate, but its finishes still count.
+    share_arrived = router._share_arrived
+    router.observe_signals(ENDPOINTS[0].address, up=True, prefill_window=(9000, 9, 86_402.0))
+    assert router.prefill_rate == pytest.approx(8 * per_request / 2.0)
+    assert router._share_arrived > share_arrived + 8
     # Queued work now drains at that rate.
     decision = router.route(chat("a long prompt " * 400))
     clock.now += decision.work / 2 / router.prefill_rate

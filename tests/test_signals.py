@@ -47,6 +47,20 @@ def test_parse_vllm_and_sglang_names():
     assert (s.running, s.waiting, s.kv_usage, s.hits) == (2.0, 7.0, 0.5, None)
 
 
+def test_a_server_with_several_engines_reads_as_one_endpoint():
+    """vLLM with data parallel behind one port exports one series per engine: their requests,
+    counters and KV blocks add up, their KV usage is the mean (two engines at 0.6 are not a
+    cache 1.2 full, which read as saturated). A server exporting a field under two names is
+    read by the first listed."""
+    second = VLLM_TEXT.replace('engine="0"', 'engine="1"').replace(" 0.25\n", " 0.75\n")
+    v = parse_metrics(VLLM_TEXT + second)
+    assert (v.running, v.waiting, v.kv_usage) == (6.0, 10.0, 0.5)
+    assert (v.hits, v.queries, v.prefills, v.prefill_tokens) == (1200.0, 2000.0, 24.0, 9600.0)
+    assert (v.block_size, v.num_blocks) == (32, 4096)
+    both = VLLM_TEXT + 'vllm:gpu_cache_usage_perc{engine="0",model_name="m"} 0.9\n'
+    assert parse_metrics(both).kv_usage == 0.25
+
+
 def test_window_hit_ratio_and_down_transitions_keep_counters():
     updates: list[tuple[str, EndpointSignals]] = []
     scraper = MetricsScraper(lambda: ["a"], lambda a, s: updates.append((a, s)))
