@@ -184,9 +184,11 @@ def render_chat(body: dict[str, Any]) -> str:
         raise ApiError(400, "'messages' must be a non-empty list")
     parts = []
     if body.get("tools"):
-        parts.append(
-            "<|tools|>\n" + orjson.dumps(body["tools"], option=orjson.OPT_SORT_KEYS).decode()
-        )
+        try:
+            tools = orjson.dumps(body["tools"], option=orjson.OPT_SORT_KEYS).decode()
+        except TypeError as exc:  # nested deeper than orjson writes
+            raise ApiError(400, f"'tools' cannot be rendered: {exc}") from None
+        parts.append("<|tools|>\n" + tools)
     for message in messages:
         if not isinstance(message, dict) or not isinstance(message.get("role"), str):
             raise ApiError(400, "each message must be an object with a string 'role'")

@@ -107,7 +107,13 @@ def canonical_conversation_start(messages: list[tuple[str, bytes]]) -> tuple[byt
 
 
 def _dump(value: Any) -> bytes:
-    return orjson.dumps(value, option=orjson.OPT_SORT_KEYS)
+    """Canonical bytes of a JSON value the body carried. orjson reads 1,024 levels of nesting
+    and writes 254: a part nested deeper is bad content, not a failed stream (in full-duplex
+    mode Envoy could only answer that with a 500)."""
+    try:
+        return orjson.dumps(value, option=orjson.OPT_SORT_KEYS)
+    except TypeError as exc:  # orjson.JSONEncodeError is one; too deep raises a plain one
+        raise NotRoutable("bad_content", f"a value that cannot be re-encoded: {exc}") from None
 
 
 def _part_bytes(part: Any) -> bytes:

@@ -214,6 +214,13 @@ class ExternalProcessorService(ext_grpc.ExternalProcessorServicer):
             outcome.kind, outcome.detail = "pass_through", exc.kind
             outcome.decide_seconds = time.perf_counter() - started
             return ()
+        except Exception as exc:  # a fault of the router's: the request goes on undecided
+            # Raised out of the stream, it failed: Envoy fails open in buffered mode, but in
+            # full-duplex mode, with the body handed over, it can only answer 500.
+            log.exception("routing failed; the request goes on without a decision")
+            outcome.kind, outcome.detail = "error", type(exc).__name__
+            outcome.decide_seconds = time.perf_counter() - started
+            return ()
         outcome.decision = decision
         outcome.decide_seconds = time.perf_counter() - started
         if decision.rule == RULE_NO_ENDPOINT or decision.endpoint is None:

@@ -163,6 +163,23 @@ CASES = [
         {200, 400},
         ("pass_through", "bad_content"),
     ),
+    # Nested deeper than orjson writes (254 levels; it reads 1,024): the router re-encodes
+    # such parts for its hashes. Once a failed stream: Envoy failed open in buffered mode,
+    # and in full-duplex mode, where the body was already handed over, answered 500.
+    Case(
+        "deeply_nested_part",
+        post(dumps(chat([{"type": "image_url", "image_url": {"x": json.loads(_nested(300))}}]))),
+        {200},
+        ("pass_through", "bad_content"),
+        modes=("buffered", "full_duplex_streamed"),
+    ),
+    Case(
+        "deeply_nested_tools",
+        post(dumps(chat(tools=[{"type": "function", "x": json.loads(_nested(300))}]))),
+        {400},  # the stand-in replica's answer: it cannot render them either
+        ("pass_through", "bad_content"),
+        modes=("buffered", "full_duplex_streamed"),
+    ),
     Case("bom", post(b"\xef\xbb\xbf" + dumps(chat())), {400}, ("pass_through", "invalid_json")),
     Case(
         "nan_literal",

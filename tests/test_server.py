@@ -202,6 +202,30 @@ async def test_bad_body_passes_through_without_a_decision(service):
     assert service.outcomes.counts[("pass_through", "no_prompt")] == 1
 
 
+@pytest.mark.parametrize("full_duplex", [False, True])
+async def test_a_fault_in_routing_lets_the_request_go_on_undecided(
+    service, monkeypatch, full_duplex
+):
+    """A request the router fails on (here: the index raises) gets its answers all the same,
+    without a destination, and is counted as an error: the stream does not fail, which in
+    full-duplex mode, with the body already handed over, Envoy could only answer with 500."""
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("index fault")
+
+    monkeypatch.setattr(service.router.index, "match_positions", broken)
+    responses = await exchange(
+        service.stub, [headers_msg(full_duplex=full_duplex), body_msg(CHAT, eos=True)]
+    )
+    assert [r.WhichOneof("response") for r in responses] == ["request_headers", "request_body"]
+    body = responses[1].request_body.response
+    assert not body.HasField("header_mutation") and not responses[1].HasField("dynamic_metadata")
+    if full_duplex:
+        assert body.body_mutation.streamed_response.body == CHAT
+    assert service.outcomes.counts[("error", "RuntimeError")] == 1
+    assert sum(service.router.in_flight().values()) == 0
+
+
 async def test_subset_hint_limits_the_choice_and_empty_subset_is_503(service):
     hint = ep.ProcessingRequest()
     hint.CopyFrom(headers_msg())
