@@ -421,7 +421,7 @@ def _echo(data: bytes, end_of_stream: bool) -> ext_pb.ProcessingResponse:
 def _echo_all(chunks: list[bytes], end_of_stream: bool) -> list[ext_pb.ProcessingResponse]:
     data = b"".join(chunks)
     pieces = [data[i : i + ECHO_CHUNK_BYTES] for i in range(0, len(data), ECHO_CHUNK_BYTES)]
-    if not pieces:
-        pieces = [b""]
+    if not pieces and end_of_stream:
+        pieces = [b""]  # answers an empty last body message; trailers alone need no echo
     last = len(pieces) - 1
     return [_echo(piece, end_of_stream and i == last) for i, piece in enumerate(pieces)]

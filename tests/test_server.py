@@ -163,6 +163,14 @@ async def test_full_duplex_with_trailers_decides_at_the_trailers(service):
     kinds = [r.WhichOneof("response") for r in responses]
     assert kinds == ["request_headers", "request_body", "request_trailers"]
     assert not responses[1].request_body.response.body_mutation.streamed_response.end_of_stream
+    # Trailers with no body before them: no body to echo (Envoy counts an unasked-for body
+    # response as spurious and drops the processing stream).
+    responses = await exchange(
+        service.stub,
+        [headers_msg(full_duplex=True), ep.ProcessingRequest(request_trailers=ep.HttpTrailers())],
+    )
+    assert [r.WhichOneof("response") for r in responses] == ["request_headers", "request_trailers"]
+    assert service.outcomes.counts[("pass_through", "empty_body")] == 1
 
 
 async def test_full_duplex_pass_through_echoes_chunks(service):
