@@ -36,6 +36,9 @@ _GAUGES = {
     "sglang:token_usage": "kv_usage",
 }
 _MEAN_FIELDS = frozenset({"kv_usage"})
+# The server process's start (Prometheus' process collector): a new value is a restart, after
+# which the counters start over, even where they already exceed the last ones read.
+_STARTED = "process_start_time_seconds"
 _COUNTERS = {
     "vllm:prefix_cache_hits_total": "hits",
     "vllm:prefix_cache_queries_total": "queries",
@@ -65,17 +68,18 @@ class EndpointSignals:
     # (computed tokens, prefills, prefill seconds) of the requests finished since the previous
     # scrape; None when there were none (each window is reported once).
     window_prefill: tuple[float, float, float] | None = None
+    started: float | None = None  # the server process's start, seconds since the epoch
 
 
 _CONFIG_INFO = "vllm:cache_config_info"
-_READ = frozenset((*_GAUGES, *_COUNTERS, _CONFIG_INFO))
+_READ = frozenset((*_GAUGES, *_COUNTERS, _CONFIG_INFO, _STARTED))
 
 
 def _samples_read(text: str) -> str:
     """Only the sample lines parse_metrics reads. A vLLM page is ~600 lines (50 KB, mostly
     histogram buckets), and parsing all of it took 12-19 ms per scrape on the router's
     event loop, a stall every decision waiting behind it shared; filtering it and parsing
-    the nine lines it reads takes about 1 ms (docs/benchmarks.md, item 15)."""
+    the ten lines it reads takes about 1 ms (docs/benchmarks.md, item 15)."""
     return "\n".join(
         line for line in text.splitlines() if line.partition("{")[0].partition(" ")[0] in _READ
     )
@@ -90,6 +94,8 @@ def parse_metrics(text: str) -> EndpointSignals:
             name = sample.name
             if name in _GAUGES or name in _COUNTERS:
                 series.setdefault(name, []).append(sample.value)
+            elif name == _STARTED:
+                signals.started = sample.value
             elif name == _CONFIG_INFO:
                 with contextlib.suppress(KeyError, ValueError):
                     signals.block_size = int(sample.labels["block_size"])
@@ -140,9 +146,15 @@ class MetricsScraper(EndpointPoller[EndpointSignals]):
                 signals.prefill_seconds = previous.prefill_seconds
                 signals.prefills = previous.prefills
                 signals.prefill_tokens = previous.prefill_tokens
-            signals.window_prefill = prefill_window(previous, signals)
+                signals.started = previous.started
+            restarted = None not in (previous.started, signals.started) and (
+                previous.started != signals.started
+            )
+            if not restarted:
+                signals.window_prefill = prefill_window(previous, signals)
             if (
-                signals.up
+                not restarted
+                and signals.up
                 and previous.queries is not None
                 and signals.queries is not None
                 and signals.hits is not None

@@ -72,6 +72,9 @@ def test_window_hit_ratio_and_down_transitions_keep_counters():
     assert updates[-1][1].hits == 190 and updates[-1][1].window_hit_ratio == pytest.approx(0.9)
     scraper.record("a", EndpointSignals(up=True, hits=200, queries=400))
     assert updates[-1][1].window_hit_ratio == pytest.approx(0.1)
+    scraper.record("a", EndpointSignals(up=True, hits=300, queries=500, started=1.0))
+    scraper.record("a", EndpointSignals(up=True, hits=900, queries=1000, started=2.0))
+    assert updates[-1][1].window_hit_ratio == pytest.approx(1.0)  # restarted: the last kept
 
 
 def test_prefill_window_is_each_scrapes_increase_reported_once():
@@ -89,6 +92,13 @@ def test_prefill_window_is_each_scrapes_increase_reported_once():
     assert scrape(prefills=15, prefill_seconds=1.75, prefill_tokens=7100) == (100, 1, 0.25)
     assert scrape(prefills=2, prefill_seconds=0.1, prefill_tokens=50) is None  # restarted
     assert scrape() is None  # a server without these metrics
+    # A restart between two scrapes whose counters already exceed the last ones read: told
+    # by the process's start time, it gives no window (nor a hit ratio) either.
+    assert scrape(prefills=20, prefill_seconds=2.0, prefill_tokens=9000, started=1.0) is None
+    assert scrape(prefills=25, prefill_seconds=2.5, prefill_tokens=9500, started=1.0)
+    assert scrape(prefills=40, prefill_seconds=9.0, prefill_tokens=20000, started=2.0) is None
+    assert scrape(up=False) is None
+    assert scrape(prefills=41, prefill_seconds=9.5, prefill_tokens=20100, started=2.0)
 
 
 async def test_scraper_reads_a_live_replica_and_marks_a_dead_one_down():
@@ -126,7 +136,7 @@ async def test_health_checker_thresholds():
 
 def test_a_real_vllm_page_parses_alike_when_only_the_read_samples_are_parsed(monkeypatch):
     """A whole /metrics page of vLLM 0.32.0 (CPU, after one request): 614 lines, of which
-    parse_metrics reads nine. Filtering the rest out first must not change what it reads."""
+    parse_metrics reads ten. Filtering the rest out first must not change what it reads."""
     from pathlib import Path
 
     from extproc import signals
@@ -136,6 +146,7 @@ def test_a_real_vllm_page_parses_alike_when_only_the_read_samples_are_parsed(mon
     assert (filtered.running, filtered.waiting, filtered.kv_usage) == (0.0, 0.0, 0.0)
     assert (filtered.queries, filtered.hits, filtered.block_size) == (13.0, 0.0, 32)
     assert (filtered.num_blocks, filtered.prefills, filtered.prefill_tokens) == (8192, 1.0, 13.0)
-    assert len(signals._samples_read(text).splitlines()) == 9
+    assert filtered.started == pytest.approx(1.79606920183e09)
+    assert len(signals._samples_read(text).splitlines()) == 10
     monkeypatch.setattr(signals, "_samples_read", lambda page: page)
     assert parse_metrics(text) == filtered
