@@ -130,6 +130,30 @@ def _listening(
         subscriber.close(linger=0)
 
 
+@contextlib.contextmanager
+def _another_server(
+    name: str, directory: Path, tokenizer_dir: Path, extra_args: list[str]
+) -> Iterator[EventsServer]:
+    """A second vLLM server for the tiny model on the other core, started with
+    ``extra_args``, publishing its events in ``directory``; ``tokenizer_dir`` holds the
+    tokeniser files it serves with. Stopped on exit."""
+    python = lab.ensure_vllm_env()
+    server = lab.start_vllm(
+        python,
+        lab.ensure_model(python),
+        name,
+        lab.core_for(1),
+        directory,
+        extra_args=extra_args,
+        kv_events_dir=directory,
+    )
+    try:
+        lab.wait_healthy([server])
+        yield EventsServer(server.address, directory, tokenizer_dir)
+    finally:
+        lab.stop_all([server])
+
+
 def _read_events(subscriber: zmq.Socket, quiet_seconds: float = 1.5) -> list[list[bytes]]:
     """Every message until none came for ``quiet_seconds``."""
     messages = []
@@ -230,31 +254,18 @@ def test_a_template_that_prints_the_date_reads_on_a_server_whose_day_is_another(
         json.dumps({**config, "chat_template": model_fixture.DATED_CHAT_TEMPLATE})
     )
     (tmp_path / "dated.jinja").write_text(model_fixture.DATED_CHAT_TEMPLATE)
-    python = lab.ensure_vllm_env()
-    monkeypatch.setenv("TZ", zone)  # for the server only: this process keeps its zone
-    server = lab.start_vllm(
-        python,
-        model_dir,
-        "vllm-dated",
-        lab.core_for(1),
-        tmp_path,
-        extra_args=["--chat-template", str(tmp_path / "dated.jinja")],
-        kv_events_dir=tmp_path,
-    )
-    monkeypatch.delenv("TZ")
     routing = RoutingConfig()
-    dated = EventsServer(server.address, tmp_path, tokenizer_dir)
     messages = [
         {"role": "system", "content": "You date your answers, briefly. " * 10},
         {"role": "user", "content": "Which day is it where the server runs? " * 5},
     ]
-    try:
-        lab.wait_healthy([server])
+    monkeypatch.setenv("TZ", zone)  # for the server only: this process keeps its zone
+    args = ["--chat-template", str(tmp_path / "dated.jinja")]
+    with _another_server("vllm-dated", tmp_path, tokenizer_dir, args) as dated:
+        monkeypatch.delenv("TZ")
         with _listening(dated) as (by_day_table, subscriber):
-            reply = _chat(server.address, messages)
+            reply = _chat(dated.address, messages)
             received = _read_events(subscriber)
-    finally:
-        lab.stop_all([server])
     translation = cache_events.load_translation(
         tokenizer_dir, lab.SERVED_MODEL_NAME, routing.block_size_bytes, routing.max_blocks
     )
@@ -306,18 +317,8 @@ def test_a_sentencepiece_tokenisers_events_translate_to_the_router_hashes(
     the next request's (its prompt's first "▁" is not the prompt's), replies included
     where the template spells them as the model wrote them."""
     python = lab.ensure_vllm_env()
-    model_dir = vllm_with_events.model_dir
     tokenizer_dir = lab.sentencepiece_tokenizer(
-        python, model_dir, tmp_path / "sp", legacy, tokenizer_class
-    )
-    server = lab.start_vllm(
-        python,
-        model_dir,
-        "vllm-sentencepiece",
-        lab.core_for(1),
-        tmp_path,
-        extra_args=["--tokenizer", str(tokenizer_dir)],
-        kv_events_dir=tmp_path,
+        python, vllm_with_events.model_dir, tmp_path / "sp", legacy, tokenizer_class
     )
     routing = RoutingConfig()
     messages = [
@@ -325,28 +326,25 @@ def test_a_sentencepiece_tokenisers_events_translate_to_the_router_hashes(
         {"role": "user", "content": "Why do pieces start with a space? é 中文 " * 4},
     ]
     prompt = "A completion about prefix caches, é 中文. " * 6
-    served = EventsServer(server.address, tmp_path, tokenizer_dir)
-    try:
-        lab.wait_healthy([server])
+    args = ["--tokenizer", str(tokenizer_dir)]
+    with _another_server("vllm-sentencepiece", tmp_path, tokenizer_dir, args) as served:
         with _listening(served) as (table, subscriber):
-            reply = _chat(server.address, messages)
+            reply = _chat(served.address, messages)
             chat = _translated(table, _read_events(subscriber))
             chat_untranslated = table.untranslated
-            completion = _complete(server.address, prompt)
+            completion = _complete(served.address, prompt)
             completed = _translated(table, _read_events(subscriber))
         # The server's path too: a router behind Envoy reading these events (its
         # cache_events.model_dir the tokeniser's) matches a next turn it never saw.
         with Stack() as stack:
             args = [*served.router_args(), "--set", "cache_events.replay="]
-            admin, envoy = _router_behind_envoy(stack, server.address, args)
-            _post(server.address, "/reset_prefix_cache")
-            routed_reply = _chat(server.address, messages)
+            admin, envoy = _router_behind_envoy(stack, served.address, args)
+            _post(served.address, "/reset_prefix_cache")
+            routed_reply = _chat(served.address, messages)
             _wait_for_count(admin, "stored_blocks", _router_blocks(messages) - 1)
             decision = _routed_through(envoy, admin, _then(messages, routed_reply, "Go on."))
-    finally:
-        lab.stop_all([server])
     print(f"through Envoy, the next turn: {_matched(decision)}")
-    assert decision["endpoint"] == server.address
+    assert decision["endpoint"] == served.address
     assert decision["matched_blocks"] >= _router_blocks(messages) - 1
     if prepend != "always":  # the reply's blocks too (below)
         assert decision["matched_blocks"] > _router_blocks(messages), decision
@@ -529,32 +527,22 @@ def test_a_lora_adapters_events_translate_to_its_own_router_hashes(
     the model name the client sent), replies included. A router behind Envoy reading those
     events matches the adapter's next turn, which it never saw, and nothing of the same
     turn sent to the base model."""
-    python = lab.ensure_vllm_env()
     model_dir = vllm_with_events.model_dir
-    adapter = lab.lora_adapter(python, model_dir, tmp_path / "lora")
-    server = lab.start_vllm(
-        python,
-        model_dir,
-        "vllm-lora",
-        lab.core_for(1),
-        tmp_path,
-        extra_args=[
-            *("--enable-lora", "--lora-modules", f"{ADAPTER}={adapter}"),
-            *("--max-lora-rank", "8", "--max-loras", "1"),
-        ],
-        kv_events_dir=tmp_path,
-    )
-    served = EventsServer(server.address, tmp_path, model_dir)
+    adapter = lab.lora_adapter(lab.ensure_vllm_env(), model_dir, tmp_path / "lora")
     messages = [
         {"role": "system", "content": "You speak for one fine-tuned adapter. " * 8},
         {"role": "user", "content": "Whose cache does an adapter's request use? " * 4},
     ]
-    try:
-        lab.wait_healthy([server])
+    args = [
+        *("--enable-lora", "--lora-modules", f"{ADAPTER}={adapter}"),
+        *("--max-lora-rank", "8", "--max-loras", "1"),
+    ]
+    with _another_server("vllm-lora", tmp_path, model_dir, args) as served:
+        address = served.address
         with _listening(served) as (table, subscriber):
-            base_reply = _chat(server.address, messages)
+            base_reply = _chat(address, messages)
             base = _translated(table, _read_events(subscriber))
-            reply = _chat(server.address, messages, ADAPTER)
+            reply = _chat(address, messages, ADAPTER)
             received = _read_events(subscriber)
             adapted = _translated(table, received)
         names = {
@@ -565,15 +553,13 @@ def test_a_lora_adapters_events_translate_to_its_own_router_hashes(
         }
         with Stack() as stack:
             args = [*served.router_args(), "--set", "cache_events.replay="]
-            admin, envoy = _router_behind_envoy(stack, server.address, args)
-            _post(server.address, "/reset_prefix_cache")
-            following = _then(messages, _chat(server.address, messages, ADAPTER), "Go on.")
+            admin, envoy = _router_behind_envoy(stack, address, args)
+            _post(address, "/reset_prefix_cache")
+            following = _then(messages, _chat(address, messages, ADAPTER), "Go on.")
             _wait_for_count(admin, "stored_blocks", _router_blocks(messages))
             decision = _routed_through(envoy, admin, following, ADAPTER)
             as_base = _routed_through(envoy, admin, following)
             counts = _cache_event_counts(admin)
-    finally:
-        lab.stop_all([server])
     first_turn = _router_blocks(messages)
     expected = _router_hashes("chat", {"messages": _then(messages, reply, "Go on.")}, "", ADAPTER)
     expected_base = _router_hashes("chat", {"messages": _then(messages, base_reply, "Go on.")})
