@@ -106,6 +106,12 @@ class ServerConfig(_Strict):
     max_body_bytes: int = Field(
         default=64 * 1024 * 1024, gt=0, description="bodies above this pass through unrouted"
     )
+    max_held_body_bytes: int = Field(
+        default=512 * 1024 * 1024,
+        gt=0,
+        description="full-duplex request bodies held at once, all streams together; one that "
+        "would go over passes through unrouted (slow senders cannot exhaust the memory)",
+    )
     routable_paths: tuple[str, ...] = Field(
         default=("/v1/chat/completions", "/v1/completions", "/v1/responses"),
         description="POST paths that are routed; anything else passes through",

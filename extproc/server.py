@@ -83,6 +83,7 @@ class _Exchange:
     decided: bool = False
     chunks: list[bytes] = field(default_factory=list)
     size: int = 0
+    held: int = 0  # full duplex: bytes of chunks counted against max_held_body_bytes
     subset: frozenset[str] | None = None
     span: Any = None
     call_metadata: dict[str, str] | None = None
@@ -162,6 +163,9 @@ class ExternalProcessorService(ext_grpc.ExternalProcessorServicer):
         routing = router.config
         self._block_tokens = routing.block_size_bytes / routing.bytes_per_token
         self._full_duplex_default = config.body_mode == "full_duplex_streamed"
+        # Full-duplex body bytes held by every stream together (max_held_body_bytes): Envoy
+        # applies no body limit in that mode, and a body is held until it is whole.
+        self.held_body_bytes = 0
 
     # -- building the decision ----------------------------------------------------------
     def _destination(self, decision: Decision) -> str:
@@ -252,6 +256,7 @@ class ExternalProcessorService(ext_grpc.ExternalProcessorServicer):
             log.exception("ext_proc stream failed; Envoy fails open for this request")
             raise
         finally:
+            self._release(ex)  # a stream that ended with its body still held
             self._record(ex)  # a stream closed at its answer, or before it went out
             if ex.outcome.decision is not None:
                 # Envoy ends a full-duplex processing stream at the response headers: for an
@@ -340,7 +345,11 @@ class ExternalProcessorService(ext_grpc.ExternalProcessorServicer):
         ex.size += len(body.body)
         if ex.full_duplex:
             if ex.size > self.config.max_body_bytes:
-                return self._give_up_full_duplex(ex, body.end_of_stream)
+                return self._give_up_full_duplex(ex, body.end_of_stream, "body_too_large")
+            if self.held_body_bytes + len(body.body) > self.config.max_held_body_bytes:
+                return self._give_up_full_duplex(ex, body.end_of_stream, "held_bodies_too_large")
+            ex.held += len(body.body)
+            self.held_body_bytes += len(body.body)
             if not body.end_of_stream:
                 return []
             return self._finish_full_duplex(ex, end_of_stream=True)
@@ -376,14 +385,22 @@ class ExternalProcessorService(ext_grpc.ExternalProcessorServicer):
             )
         else:
             first = _EMPTY_REQUEST_HEADERS
-        return [first, *_echo_all(ex.chunks, end_of_stream)]
+        echoes = _echo_all(ex.chunks, end_of_stream)
+        ex.chunks = []
+        self._release(ex)
+        return [first, *echoes]
 
-    def _give_up_full_duplex(self, ex: _Exchange, end_of_stream: bool) -> list:
-        """Body over the limit: release the headers with no decision and echo what we hold."""
+    def _give_up_full_duplex(self, ex: _Exchange, end_of_stream: bool, reason: str) -> list:
+        """A body over a limit: release the headers with no decision and echo what we hold."""
         ex.decided = ex.passing_through = True
-        ex.outcome.kind, ex.outcome.detail = "pass_through", "body_too_large"
+        ex.outcome.kind, ex.outcome.detail = "pass_through", reason
         chunks, ex.chunks = ex.chunks, []
+        self._release(ex)
         return [_EMPTY_REQUEST_HEADERS, *_echo_all(chunks, end_of_stream)]
+
+    def _release(self, ex: _Exchange) -> None:
+        self.held_body_bytes -= ex.held
+        ex.held = 0
 
     def _on_response_headers(self, ex: _Exchange, request: ext_pb.ProcessingRequest) -> None:
         headers = _header_map(request.response_headers)

@@ -371,6 +371,64 @@ async def test_not_ready_without_endpoints():
     assert live.status == health_pb2.HealthCheckResponse.SERVING
 
 
+async def test_full_duplex_bodies_held_at_once_are_bounded():
+    """Envoy applies no body limit in full-duplex mode, and the router holds a body until it
+    is whole: slow senders together could hold gigabytes. A body that would take the bytes
+    held by all streams past server.max_held_body_bytes passes through unrouted (echoed,
+    counted); the bytes come back as bodies are decided or their streams end."""
+    import asyncio
+
+    cfg = load_config(
+        overrides={
+            "server.listen": "127.0.0.1:0",
+            "server.admin_listen": "",
+            "endpoints": ENDPOINTS,
+            "health.enabled": False,
+            "server.max_held_body_bytes": len(CHAT) + 100,
+        },
+        environ={},
+    )
+    svc = RouterService(cfg)
+    port = await svc.start()
+    held = svc.service
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+        stub = epg.ExternalProcessorStub(channel)
+        slow = stub.Process()
+        await slow.write(headers_msg(full_duplex=True))
+        await slow.write(body_msg(CHAT[:200], eos=False))
+        await asyncio.sleep(0.1)
+        assert held.held_body_bytes == 200
+        # A second body does not fit beside the first: passed through, whole.
+        responses = await exchange(stub, [headers_msg(full_duplex=True), body_msg(CHAT)])
+        assert [r.WhichOneof("response") for r in responses] == ["request_headers", "request_body"]
+        assert not responses[0].request_headers.response.HasField("header_mutation")
+        assert responses[1].request_body.response.body_mutation.streamed_response.body == CHAT
+        assert svc.outcomes.counts[("pass_through", "held_bodies_too_large")] == 1
+        assert held.held_body_bytes == 200
+        # The first ends its body: decided, its bytes given back.
+        await slow.write(body_msg(CHAT[200:], eos=True))
+        first = await slow.read()
+        assert first.request_headers.response.HasField("header_mutation")
+        assert held.held_body_bytes == 0
+        await slow.done_writing()
+        # A stream that ends with its body held gives the bytes back too.
+        cancelled = stub.Process()
+        await cancelled.write(headers_msg(full_duplex=True))
+        await cancelled.write(body_msg(CHAT[:250], eos=False))
+        await asyncio.sleep(0.1)
+        assert held.held_body_bytes == 250
+        cancelled.cancel()
+        for _ in range(50):
+            if held.held_body_bytes == 0:
+                break
+            await asyncio.sleep(0.02)
+        assert held.held_body_bytes == 0
+        # Now it fits.
+        responses = await exchange(stub, [headers_msg(full_duplex=True), body_msg(CHAT)])
+        assert responses[0].request_headers.response.HasField("header_mutation")
+    await svc.stop(0)
+
+
 async def test_single_destination_emits_only_the_primary():
     cfg = load_config(
         overrides={
