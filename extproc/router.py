@@ -128,6 +128,10 @@ class Router:
         # capacity_tokens came from the config, so a scraped KV size must not override it.
         self._capacity_configured: list[bool] = []
         self._in_flight = np.zeros(0, dtype=np.int64)
+        # Each endpoint's incarnation, a fresh number whenever it is added
+        # (Decision.charged_generation).
+        self._generation = np.zeros(0, dtype=np.int64)
+        self._generations = 0
         # Requests each endpoint reported beyond this router's in flight there (at its scrape).
         self._others_load = np.zeros(0)
         self._healthy = np.zeros(0, dtype=bool)
@@ -212,6 +216,10 @@ class Router:
                     out[i] = values[old]
             return out
 
+        self._generation = carried(self._generation, -1, np.int64)
+        added = self._generation < 0
+        self._generation[added] = np.arange(int(added.sum())) + self._generations
+        self._generations += int(added.sum())
         self._in_flight = carried(self._in_flight, 0, np.int64)
         self._others_load = carried(self._others_load, 0.0, np.float64)
         self._sent = carried(self._sent, 0, np.int64)
@@ -634,6 +642,7 @@ class Router:
         return work
 
     def _charge(self, i: int, decision: Decision, now: float) -> None:
+        decision.charged_generation = int(self._generation[i])
         decision.work_released = False
         decision.queued_before = self._drain(i, now)
         decision.charged_at = now
@@ -737,6 +746,7 @@ class Router:
         decision.hashes = hashes
         if decision.endpoint is not None:
             chosen = self._position[decision.endpoint]
+            decision.charged_generation = int(self._generation[chosen])
             decision.unrecorded = True
             if not defer_record:
                 self.record(decision)
@@ -759,8 +769,10 @@ class Router:
             return
         decision.unrecorded = False
         address = decision.served or decision.endpoint
-        i = self._position.get(address) if address else None
-        if i is not None:  # (an endpoint removed meanwhile holds nothing here)
+        i = self._charged_position(decision)
+        # An endpoint removed meanwhile holds nothing here, nor one found dead meanwhile
+        # (set_health emptied its index: a restarted server comes back with an empty cache).
+        if i is not None and self._healthy[i]:
             self.index.record_position(i, decision.hashes)
             self._log_placement(address, decision.hashes)
 
@@ -789,9 +801,7 @@ class Router:
         router before it did on the endpoint, without proof that the prefill is over (Envoy
         closes a full-duplex processing stream at a stream's response headers, which come
         before its prefill): what is left of its charge keeps draining."""
-        if decision.rule == RULE_NO_ENDPOINT or decision.endpoint is None:
-            return
-        i = self._position.get(decision.served or decision.endpoint)
+        i = self._charged_position(decision)
         if i is not None:
             self._uncharge(i, decision, self.clock(), prefill_over)
 
@@ -803,11 +813,21 @@ class Router:
         does not call this for them), so its charge drains on the router's clock; a
         release there made every streamed request look like no queued work at all (in the
         simulator, Mooncake p99 up to 7x longer; docs/benchmarks.md)."""
-        if decision.rule == RULE_NO_ENDPOINT or decision.endpoint is None:
-            return
-        i = self._position.get(decision.served or decision.endpoint)
+        i = self._charged_position(decision)
         if i is not None:
             self._release_work(i, decision, self.clock())
+
+    def _charged_position(self, decision: Decision) -> int | None:
+        """The endpoint the request is charged to, if it is still the one it was charged to:
+        removed, it holds nothing; removed and added again (a flapping readiness probe, a
+        reused pod IP), it is another endpoint, whose own requests a late finish of the old
+        one's would otherwise take off the count (a busy replica then read idle)."""
+        if decision.rule == RULE_NO_ENDPOINT or decision.endpoint is None:
+            return None
+        i = self._position.get(decision.served or decision.endpoint)
+        if i is None or self._generation[i] != decision.charged_generation:
+            return None
+        return i
 
     def served(self, decision: Decision, served_address: str) -> bool:
         """Envoy reports where the request really went; move the load and learn the blocks.
@@ -874,12 +894,16 @@ class Router:
         recorded. One index update per endpoint for the whole batch (newest placement's
         blocks newest, each block once, at most the endpoint's capacity): one update per
         placement cost ~85 us, which at a thousand placements a second held the event loop
-        for most of 0.1 s at every read."""
+        for most of 0.1 s at every read. None on an endpoint this router finds dead: the
+        peers' placements come a second or more late, some made before they noticed, and
+        a restarted server comes back with an empty cache."""
         by_position: dict[int, list[np.ndarray]] = {}
         recorded = 0
         for placement in reversed(placements):  # newest first
             i = self._position.get(placement.endpoint)
-            if i is not None and placement.router != self.instance and len(placement.hashes):
+            if i is None or not self._healthy[i]:
+                continue
+            if placement.router != self.instance and len(placement.hashes):
                 by_position.setdefault(i, []).append(placement.hashes[: self.config.max_blocks])
                 recorded += 1
         for i, chains in by_position.items():

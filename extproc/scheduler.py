@@ -302,6 +302,9 @@ class Decision:
     # Router-private bookkeeping for taking the charge back (see Router.finish).
     charged_at: float = 0.0
     queued_before: float = 0.0
+    # Which incarnation of the endpoint it was charged to (an endpoint removed and added
+    # again is another: the old one's requests are not the new one's to finish).
+    charged_generation: int = -1
     # The endpoint answered (first byte): the prefill work charge was taken back already.
     work_released: bool = False
     # Placed as a cold start (rule 3): counted in the endpoints' placed work.

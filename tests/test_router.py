@@ -8,7 +8,7 @@ import orjson
 import pytest
 
 from extproc.config import EndpointConfig, RoutingConfig
-from extproc.placements import PlacementLog
+from extproc.placements import Placement, PlacementLog
 from extproc.prompt import parse_request
 from extproc.router import Router
 from extproc.scheduler import (
@@ -130,6 +130,28 @@ def test_unhealthy_endpoints_are_skipped_and_forgotten():
     assert router.route(chat("sticky " * 30)).endpoint == moved.endpoint
 
 
+def test_nothing_is_recorded_on_an_endpoint_while_it_is_dead():
+    """A peer's placement on an endpoint this router finds dead (peers read a second or more
+    late, some placed before they noticed), or this router's own deferred record of a
+    request sent there just before: a restarted server comes back with an empty cache, so
+    neither may claim its blocks once it is back."""
+    router, peer = Router(RoutingConfig(), ENDPOINTS), Router(RoutingConfig(), ENDPOINTS)
+    placed = peer.route(chat("placed by a peer " * 30))
+    own = router.route(chat("recorded late " * 30), defer_record=True)
+    for address in {placed.endpoint, own.endpoint}:
+        router.set_health(address, False)
+    assert router.observe_peer_placements([Placement("peer", placed.endpoint, placed.hashes)]) == 0
+    router.record(own)
+    router.finish(own)
+    for address in {placed.endpoint, own.endpoint}:
+        router.set_health(address, True)
+    assert router.index.match(placed.hashes, [placed.endpoint]) == {}
+    assert router.index.match(own.hashes, [own.endpoint]) == {}
+    # Alive, the same placement is recorded.
+    assert router.observe_peer_placements([Placement("peer", placed.endpoint, placed.hashes)]) == 1
+    assert router.index.match(placed.hashes, [placed.endpoint])
+
+
 def test_no_endpoints_and_subset_hint():
     empty = Router(RoutingConfig(), [])
     assert empty.route(chat("x " * 40)).rule == RULE_NO_ENDPOINT
@@ -183,6 +205,32 @@ def test_set_endpoints_keeps_survivors_and_drops_removed():
     assert d.endpoint not in router.endpoints
     router.finish(d)  # finishing a removed endpoint's request is harmless
     assert router.route(chat("keep " * 30)).endpoint in router.endpoints
+
+
+def test_an_endpoint_added_again_is_not_the_one_its_old_requests_were_charged_to():
+    """Removed and added again (a flapping readiness probe, a reused pod IP) with requests of
+    its old incarnation still running: their late finishes, and a late record of their
+    blocks, belong to the old one and leave the new one's count and index alone."""
+    router = Router(RoutingConfig(), ENDPOINTS)
+    address = ENDPOINTS[0].address
+    only = frozenset({address})
+    old = [
+        router.route(completion(f"old {i} " * 30), allowed=only, defer_record=True)
+        for i in range(3)
+    ]
+    router.set_endpoints(ENDPOINTS[1:])
+    router.set_endpoints(ENDPOINTS)
+    new = [router.route(completion(f"new {i} " * 30), allowed=only) for i in range(2)]
+    for decision in old:
+        router.record(decision)
+        router.finish(decision)
+    assert router.in_flight()[address] == 2
+    assert router.queued_work()[address] > 0
+    assert router.index.match(old[0].hashes, [address]) == {}
+    assert router.index.match(new[0].hashes, [address])
+    for decision in new:
+        router.finish(decision)
+    assert router.in_flight()[address] == 0
 
 
 class Clock:
