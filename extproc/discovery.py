@@ -164,7 +164,10 @@ async def dnspython_srv_resolver(name: str) -> list[tuple[str, int]]:
 
 
 class DnsSource:
-    """Polls DNS; an empty answer empties the list, a failed lookup keeps the last one."""
+    """Polls DNS; an empty SRV answer empties the list, a failed lookup keeps the last one
+    (an A/AAAA name without records reads as failed: getaddrinfo does not tell the two
+    apart). An SRV target that does not resolve is left out while the others are read: one
+    stale target held every other change back."""
 
     def __init__(
         self,
@@ -177,6 +180,7 @@ class DnsSource:
         family = _family(config)
         self._resolve = resolver or (lambda n, p: getaddrinfo_resolver(n, p, family))
         self._resolve_srv = srv_resolver or dnspython_srv_resolver
+        self._unresolved: set[str] = set()  # SRV targets the last lookup left out
 
     async def lookup(self) -> set[str]:
         name = self.config.dns_name
@@ -185,11 +189,28 @@ class DnsSource:
             if not self.config.srv:
                 assert self.config.dns_port is not None
                 return set(await self._resolve(name, self.config.dns_port))
-            targets = await self._resolve_srv(name)
-            answers = await asyncio.gather(*(self._resolve(t, p) for t, p in set(targets)))
-            return {address for addresses in answers for address in addresses}
+            targets = sorted(set(await self._resolve_srv(name)))
+            answers = await asyncio.gather(
+                *(self._resolve(t, p) for t, p in targets), return_exceptions=True
+            )
         except (OSError, ValueError) as exc:  # socket.gaierror is an OSError
             raise DiscoveryError(f"DNS lookup of {name} failed: {exc}") from exc
+        failed = [
+            (t, a) for (t, _), a in zip(targets, answers, strict=True) if isinstance(a, Exception)
+        ]
+        for target, exc in failed:
+            if not isinstance(exc, OSError | ValueError):
+                raise exc
+            if target not in self._unresolved:  # once, until it resolves again
+                log.warning(
+                    "SRV target %s of %s does not resolve (%s); left out", target, name, exc
+                )
+        self._unresolved = {target for target, _ in failed}
+        if targets and len(failed) == len(targets):
+            raise DiscoveryError(f"DNS lookup of {name} failed: no SRV target resolves")
+        return {
+            a for addresses in answers if not isinstance(addresses, Exception) for a in addresses
+        }
 
     async def run(self, on_change: OnChange) -> None:
         publisher = _Publisher(on_change, self.config)

@@ -23,6 +23,7 @@ from aiohttp import web
 
 from extproc.config import DiscoveryConfig, EndpointConfig, RoutingConfig
 from extproc.discovery import (
+    DiscoveryError,
     DnsSource,
     KubernetesSource,
     StaticSource,
@@ -414,6 +415,20 @@ async def test_dns_srv_records() -> None:
     )
     source = DnsSource(config, resolver=resolver, srv_resolver=srv)
     assert await source.lookup() == {"10.0.0.5:8000", "10.0.0.6:8001"}
+    # A target that does not resolve (a stale record) is left out, the others still read;
+    # when none resolves, the lookup fails (the last list is kept).
+    del hosts["vllm-1.vllm"]
+
+    async def flaky(name: str, port: int) -> list[str]:
+        if name not in hosts:
+            raise OSError(f"{name}: no address")
+        return [f"{hosts[name]}:{port}"]
+
+    source = DnsSource(config, resolver=flaky, srv_resolver=srv)
+    assert await source.lookup() == {"10.0.0.5:8000"}
+    hosts.clear()
+    with pytest.raises(DiscoveryError):
+        await source.lookup()
 
 
 async def test_dnspython_srv_resolver_is_importable() -> None:
