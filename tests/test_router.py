@@ -1050,6 +1050,21 @@ def test_other_replicas_reported_work_counts_and_drains():
     assert router.peers() == ["peer-b"]
 
 
+def test_a_peers_junk_or_its_silence_leaves_no_queued_work_behind():
+    """A peer's figures that are not work (NaN, infinite, negative) count for nothing, and a
+    huge one counts only while the peer reports: when every peer falls silent, their work
+    stops counting at once, not when the next report comes (none may)."""
+    clock = Clock()
+    router = Router(RoutingConfig(prefill_tokens_per_second=1.0), ENDPOINTS, clock=clock)
+    a, b, c, d = (e.address for e in ENDPOINTS[:4])
+    router.observe_peer_work("peer-a", {a: float("nan"), b: float("inf"), c: -5e9, d: 1e12})
+    queued = router.queued_work()
+    assert (queued[a], queued[b], queued[c]) == (0.0, 0.0, 0.0)
+    assert queued[d] > 1e11
+    clock.now += 31.0  # past PEER_FORGET_SECONDS: the peer fell silent
+    assert router.peers() == [] and router.queued_work()[d] == 0.0
+
+
 def test_a_system_prompt_every_conversation_shares_spreads_them_and_their_later_turns():
     """A long system prompt (most of each first turn) that every new conversation starts
     with draws more than one endpoint's share of them: they are placed as cold starts, not
