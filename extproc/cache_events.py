@@ -995,7 +995,10 @@ def decode_message(frames: list[bytes]) -> tuple[int, list[Any]]:
     sequence = message_sequence(frames)
     if sequence is None:
         raise ValueError(f"not a KV-event message: {len(frames)} frames")
-    payload = msgspec.msgpack.decode(frames[2])
+    try:
+        payload = msgspec.msgpack.decode(frames[2])
+    except RecursionError as exc:  # ~1,000 levels of nesting in ~1 KB (DecodeError is one)
+        raise ValueError("KV-event payload nested too deeply") from exc
     if not isinstance(payload, list) or len(payload) < 2 or not isinstance(payload[1], list):
         raise ValueError("KV-event payload is not [timestamp, events, ...]")
     return sequence, payload[1]

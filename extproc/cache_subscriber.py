@@ -42,6 +42,12 @@ RECONCILE_SECONDS = 1.0
 PIECE_TOKENS = 8192
 REPLAY_TIMEOUT_SECONDS = 2.0
 RETRY_SECONDS = 5.0
+# ZMTP heartbeats on the SUB connection: a publisher's host that vanished without closing it
+# (a crash, a network split, an idle timeout in between) is dropped after this long without
+# an answer, and ZMQ connects again; without them a restarted server at the same address
+# was never read again.
+HEARTBEAT_INTERVAL_MS = 1000
+HEARTBEAT_TIMEOUT_MS = 5000
 END_OF_REPLAY = (-1).to_bytes(8, "big", signed=True)  # vLLM's end-of-replay sequence
 
 
@@ -90,8 +96,8 @@ class CacheEventSubscriber:
         for task in tasks:
             task.cancel()
         for task in tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task  # (a task's own failure was logged when it happened)
         self._task = None
         self._tasks.clear()
         self._context.destroy(linger=0)
@@ -107,7 +113,8 @@ class CacheEventSubscriber:
             self._tasks.pop(endpoint).cancel()
             self.tables.pop(endpoint, None)
         for endpoint in endpoints:
-            if endpoint not in self._tasks:
+            task = self._tasks.get(endpoint)
+            if task is None or task.done():  # (a task that ended is started again)
                 self.tables[endpoint] = EndpointCacheEvents(self.translation)
                 self._tasks[endpoint] = asyncio.create_task(
                     self._read(endpoint), name=f"cache-events {endpoint}"
@@ -121,13 +128,18 @@ class CacheEventSubscriber:
 
     async def _read(self, endpoint: str) -> None:
         """Follow one endpoint's publisher for as long as it is an endpoint; a socket error
-        (an address ZMQ refuses) is logged and counted, and the socket made again."""
+        (an address ZMQ refuses) is logged and counted, and the socket made again; so is
+        any other fault, which would otherwise end the reading for good, silently."""
         while True:
             try:
                 await self._follow_publisher(endpoint)
             except zmq.ZMQError as exc:
                 self._count(endpoint, "socket_errors", 1)
                 log.error("KV-cache events of %s: %s", endpoint, exc)
+                await asyncio.sleep(RETRY_SECONDS)
+            except Exception:
+                self._count(endpoint, "reader_errors", 1)
+                log.exception("KV-cache events of %s: reading failed; starting again", endpoint)
                 await asyncio.sleep(RETRY_SECONDS)
 
     async def _follow_publisher(self, endpoint: str) -> None:
@@ -136,6 +148,8 @@ class CacheEventSubscriber:
         try:
             socket.setsockopt(zmq.SUBSCRIBE, self.config.topic.encode())
             socket.setsockopt(zmq.RCVHWM, 100_000)
+            socket.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_INTERVAL_MS)
+            socket.setsockopt(zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS)
             socket.connect(address)
             log.info("reading %s's KV-cache events from %s", endpoint, address)
             expected: int | None = None

@@ -541,6 +541,42 @@ def test_malformed_messages_are_refused() -> None:
             decode_message(frames)
     with pytest.raises(ValueError):
         decode_message([b"kv", (1).to_bytes(8, "big"), msgspec.msgpack.encode({"a": 1})])
+    # ~5,000 levels of nesting in 5 KB: msgspec raises RecursionError, which ended the
+    # endpoint's reading task for good; now it is a malformed message like the others.
+    with pytest.raises(ValueError, match="nested"):
+        decode_message([b"kv", (1).to_bytes(8, "big"), b"\x91" * 5000 + b"\xc0"])
+
+
+async def test_a_fault_while_reading_an_endpoints_events_is_counted_and_reading_goes_on(
+    translation: Translation, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Whatever fails while following a publisher is logged, counted and tried again; it
+    used to end that endpoint's reading task silently (and make stop() raise)."""
+    from extproc import cache_subscriber
+
+    monkeypatch.setattr(cache_subscriber, "RETRY_SECONDS", 0.01)
+    subscriber = CacheEventSubscriber(
+        CacheEventsConfig(publisher="ipc:///x-{port}", topic="kv", model_dir="x", model=MODEL),
+        translation,
+        lambda: ["127.0.0.1:8001"],
+        lambda endpoint, changes: True,
+    )
+    calls = 0
+
+    async def broken(endpoint: str) -> None:
+        nonlocal calls
+        calls += 1
+        raise RecursionError("a fault")
+
+    monkeypatch.setattr(subscriber, "_follow_publisher", broken)
+    subscriber.start()
+    for _ in range(200):
+        if calls >= 3:
+            break
+        await asyncio.sleep(0.01)
+    assert calls >= 3
+    assert subscriber.counts["127.0.0.1:8001", "reader_errors"] >= 2
+    await subscriber.stop()
 
 
 def test_config_names_what_is_missing(tmp_path: Path) -> None:
