@@ -48,6 +48,8 @@ log = logging.getLogger(__name__)
 
 ROLES = ("system", "user", "assistant")
 TIP_BYTES = 32 * 1024 * 1024  # per endpoint: the text of the chains being extended
+# KV-cache groups whose blocks hold a whole prefix (vLLM's KVCacheSpecKind values).
+FULL_ATTENTION_KINDS = frozenset({"full_attention", "mla_attention"})
 MAX_TABLE_BLOCKS = 1_000_000  # per endpoint (~0.3 KiB each): 16M tokens in 16-token blocks
 _SENTINEL = "Zq7Xv{}Qw9Jk"  # probe content: survives templates, never in a real prompt
 
@@ -760,9 +762,28 @@ class EndpointCacheEvents:
         # blocks (a reply, a next turn) carry none, and their hashes start from its root.
         self._salts: dict[Any, str] = {}
         self.untranslated = 0  # stored blocks that gave no hashes of this router's
+        # Hybrid models (sliding-window or Mamba layers beside full attention) announce each
+        # KV-cache group's blocks under the same hashes with its ``group_idx``; only the first
+        # full-attention group is read: a sliding-window group frees a prompt's head early,
+        # and its removals would empty blocks the full-attention group still holds.
+        self._group: int | None = None
+        self._partial_groups: set[int] = set()
 
     def __len__(self) -> int:
         return len(self._blocks)
+
+    def _reads(self, event: dict[str, Any]) -> bool:
+        """Whether an event's KV-cache group is the one read (events without a group, from
+        vLLMs that do not send one, are all read)."""
+        group, kind = event.get("group_idx"), event.get("kv_cache_spec_kind")
+        if group is None:
+            return True
+        if kind is not None and kind not in FULL_ATTENTION_KINDS:
+            self._partial_groups.add(group)
+            return False
+        if self._group is None and kind is not None:
+            self._group = group
+        return group not in self._partial_groups and self._group in (None, group)
 
     def stored(
         self,
@@ -913,6 +934,8 @@ class EndpointCacheEvents:
         for event in events:
             if not isinstance(event, dict) or event.get("medium") not in (None, "GPU"):
                 continue
+            if not self._reads(event):
+                continue
             kind = event.get("type")
             if kind == "BlockStored":
                 hashes = self.stored(
@@ -943,13 +966,21 @@ def in_pieces(events: list[Any], piece_tokens: int) -> list[list[Any]]:
     translation is the same (tests)."""
     parts: list[list[Any]] = []
     together: list[Any] = []  # events applied as one part, as they came
+    together_tokens = 0
     for event in events:
         if not _longer_chain(event, piece_tokens):
             together.append(event)
+            # Many shorter chains of one message add up too (a step that prefilled many
+            # prompts): 64 of ~7,500 tokens held the loop ~133 ms as one part.
+            tokens = event.get("token_ids") if isinstance(event, dict) else None
+            together_tokens += len(tokens) if isinstance(tokens, list) else 0
+            if together_tokens >= piece_tokens:
+                parts.append(together)
+                together, together_tokens = [], 0
             continue
         if together:
             parts.append(together)
-            together = []
+            together, together_tokens = [], 0
         hashes, size = event["block_hashes"], event["block_size"]
         step = max(1, piece_tokens // size)
         tokens, keys = event.get("token_ids") or [], event.get("extra_keys")

@@ -222,6 +222,32 @@ def test_a_long_chain_applied_in_pieces_translates_as_it_does_whole(
     # counts it as malformed), never an error while splitting.
     odd = {**event, "token_ids": 7}
     assert cache_events.in_pieces([odd], piece_tokens=5 * VLLM_BLOCK) == [[odd]]
+    # Many shorter chains in one message are parts of about piece_tokens too, in order.
+    short = [stored_event(prompt, k, k + 2, VLLM_BLOCK) for k in range(0, 20, 2)]
+    parts = cache_events.in_pieces(short, piece_tokens=5 * VLLM_BLOCK)
+    assert [e for part in parts for e in part] == short
+    assert len(parts) == 4 and all(len(part) <= 3 for part in parts)
+
+
+def test_only_a_hybrid_models_full_attention_group_is_read(translation: Translation) -> None:
+    """vLLM announces each KV-cache group's blocks under the same hashes with its group_idx
+    (and the group's kind on stores). A sliding-window group frees a prompt's head early:
+    its removals must not empty blocks the full-attention group still holds, nor its
+    stores count twice. Events without a group (other vLLMs) are all read."""
+    messages = _first_turn()
+    prompt = _encode(_rendered(messages))
+    event = stored_event(prompt, 0, len(prompt) // VLLM_BLOCK, VLLM_BLOCK)
+    head = event["block_hashes"]  # the window group frees them all (the head first)
+    full = {**event, "group_idx": 0, "kv_cache_spec_kind": "full_attention"}
+    window = {**event, "group_idx": 1, "kv_cache_spec_kind": "sliding_window"}
+    table = EndpointCacheEvents(translation)
+    stored = table.apply([window, full])
+    assert len(stored) == 1 and stored[0][0] is True and len(stored[0][1]) > 3
+    assert table.apply([{"type": "BlockRemoved", "block_hashes": head, "group_idx": 1}]) == []
+    removed = table.apply([{"type": "BlockRemoved", "block_hashes": head, "group_idx": 0}])
+    assert [held for held, _ in removed] == [False] and len(removed[0][1]) > 0
+    plain = EndpointCacheEvents(translation)  # no groups: as before
+    assert plain.apply([event]) and plain.apply([{"type": "BlockRemoved", "block_hashes": head}])
 
 
 def test_the_garbage_collector_stops_tracking_announced_blocks(translation: Translation) -> None:
