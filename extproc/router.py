@@ -558,6 +558,13 @@ class Router:
             self.index.forget(address)
         log.warning("endpoint %s is now %s", address, "healthy" if healthy else "unhealthy")
 
+    def restarted(self, address: str) -> None:
+        """The endpoint's server restarted (its metrics' process start time changed), maybe
+        between two health probes: its cache is empty, so is what the index says it holds."""
+        if address in self._position:
+            self.index.forget(address)
+            log.warning("endpoint %s restarted; forgetting what it held", address)
+
     def healthy_endpoints(self) -> list[str]:
         return [a for a, ok in zip(self._addresses, self._healthy.tolist(), strict=True) if ok]
 

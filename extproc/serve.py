@@ -166,6 +166,8 @@ class RouterService:
     def _on_signals(self, address: str, signals: EndpointSignals) -> None:
         """An endpoint's own metrics: published, and fed to the scheduler (load, KV)."""
         self.metrics.record_signals(address, signals)
+        if signals.restarted:
+            self.router.restarted(address)
         capacity = (
             signals.block_size * signals.num_blocks
             if signals.block_size and signals.num_blocks

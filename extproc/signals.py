@@ -69,6 +69,7 @@ class EndpointSignals:
     # scrape; None when there were none (each window is reported once).
     window_prefill: tuple[float, float, float] | None = None
     started: float | None = None  # the server process's start, seconds since the epoch
+    restarted: bool = False  # its start changed since the last scrape: its cache is empty
 
 
 _CONFIG_INFO = "vllm:cache_config_info"
@@ -147,9 +148,13 @@ class MetricsScraper(EndpointPoller[EndpointSignals]):
                 signals.prefills = previous.prefills
                 signals.prefill_tokens = previous.prefill_tokens
                 signals.started = previous.started
+            # (vLLM with several API server processes exports no start time at all: its
+            # multiprocess registry has no process collector, so scrapes answered by
+            # different processes do not read as restarts.)
             restarted = None not in (previous.started, signals.started) and (
-                previous.started != signals.started
+                signals.started > previous.started  # type: ignore[operator]
             )
+            signals.restarted = restarted
             if not restarted:
                 signals.window_prefill = prefill_window(previous, signals)
             if (

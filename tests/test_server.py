@@ -20,6 +20,7 @@ from extproc.config import load_config
 from extproc.hashing import block_hashes, root_hash
 from extproc.prompt import parse_request
 from extproc.serve import EXT_PROC_SERVICE, RouterService
+from extproc.signals import EndpointSignals
 
 ENDPOINTS = "127.0.0.1:8001,127.0.0.1:8002,127.0.0.1:8003"
 HEADER = "x-gateway-destination-endpoint"
@@ -499,6 +500,20 @@ async def _service_on_a_replica(**settings) -> tuple[RouterService, Any, str]:
     svc = RouterService(cfg)
     await svc.start()
     return svc, runner, address
+
+
+async def test_a_restart_seen_in_an_endpoints_metrics_empties_its_index(service):
+    """A server restarted between two health probes (or with probes off) answers them as if
+    nothing happened, but its metrics' process start time changed: its cache is empty, and
+    the index forgets what it held there."""
+    address = ENDPOINTS.split(",")[0]
+    decision = service.router.route(parse_request("chat", CHAT), allowed=frozenset({address}))
+    service.router.finish(decision)
+    assert service.router.index.match(decision.hashes, [address])
+    service.scraper.record(address, EndpointSignals(up=True, started=1.0))
+    assert service.router.index.match(decision.hashes, [address])  # the first reading
+    service.scraper.record(address, EndpointSignals(up=True, started=2.0))
+    assert service.router.index.match(decision.hashes, [address]) == {}
 
 
 async def test_scraped_signals_reach_the_router():
