@@ -372,6 +372,17 @@ async def test_not_ready_without_endpoints():
     assert live.status == health_pb2.HealthCheckResponse.SERVING
 
 
+def _quiet_config(overrides: dict[str, object]):
+    """A router on a free loopback port for ENDPOINTS, without admin port or health probes."""
+    base = {
+        "server.listen": "127.0.0.1:0",
+        "server.admin_listen": "",
+        "endpoints": ENDPOINTS,
+        "health.enabled": False,
+    }
+    return load_config(overrides={**base, **overrides}, environ={})
+
+
 async def test_full_duplex_bodies_held_at_once_are_bounded():
     """Envoy applies no body limit in full-duplex mode, and the router holds a body until it
     is whole: slow senders together could hold gigabytes. A body that would take the bytes
@@ -379,17 +390,7 @@ async def test_full_duplex_bodies_held_at_once_are_bounded():
     counted); the bytes come back as bodies are decided or their streams end."""
     import asyncio
 
-    cfg = load_config(
-        overrides={
-            "server.listen": "127.0.0.1:0",
-            "server.admin_listen": "",
-            "endpoints": ENDPOINTS,
-            "health.enabled": False,
-            "server.max_held_body_bytes": len(CHAT) + 100,
-        },
-        environ={},
-    )
-    svc = RouterService(cfg)
+    svc = RouterService(_quiet_config({"server.max_held_body_bytes": len(CHAT) + 100}))
     port = await svc.start()
     held = svc.service
     async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
@@ -431,17 +432,7 @@ async def test_full_duplex_bodies_held_at_once_are_bounded():
 
 
 async def test_single_destination_emits_only_the_primary():
-    cfg = load_config(
-        overrides={
-            "server.listen": "127.0.0.1:0",
-            "server.admin_listen": "",
-            "endpoints": ENDPOINTS,
-            "health.enabled": False,
-            "server.single_destination": True,
-        },
-        environ={},
-    )
-    svc = RouterService(cfg)
+    svc = RouterService(_quiet_config({"server.single_destination": True}))
     port = await svc.start()
     async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
         responses = await exchange(
