@@ -48,8 +48,11 @@ log = logging.getLogger(__name__)
 
 ROLES = ("system", "user", "assistant")
 TIP_BYTES = 32 * 1024 * 1024  # per endpoint: the text of the chains being extended
-# KV-cache groups whose blocks hold a whole prefix (vLLM's KVCacheSpecKind values).
-FULL_ATTENTION_KINDS = frozenset({"full_attention", "mla_attention"})
+# KV-cache groups whose blocks do not hold a whole prefix: they free its head early (vLLM's
+# KVCacheSpecKind values; any other kind, full attention, MLA, with sinks, is read).
+PARTIAL_KINDS = frozenset(
+    {"sliding_window", "sliding_window_mla", "chunked_local_attention", "mamba"}
+)
 MAX_TABLE_BLOCKS = 1_000_000  # per endpoint (~0.3 KiB each): 16M tokens in 16-token blocks
 _SENTINEL = "Zq7Xv{}Qw9Jk"  # probe content: survives templates, never in a real prompt
 
@@ -764,8 +767,8 @@ class EndpointCacheEvents:
         self.untranslated = 0  # stored blocks that gave no hashes of this router's
         # Hybrid models (sliding-window or Mamba layers beside full attention) announce each
         # KV-cache group's blocks under the same hashes with its ``group_idx``; only the first
-        # full-attention group is read: a sliding-window group frees a prompt's head early,
-        # and its removals would empty blocks the full-attention group still holds.
+        # group of another kind (PARTIAL_KINDS) is read: a sliding-window group frees a
+        # prompt's head early, and its removals would empty blocks full attention still holds.
         self._group: int | None = None
         self._partial_groups: set[int] = set()
 
@@ -778,7 +781,7 @@ class EndpointCacheEvents:
         group, kind = event.get("group_idx"), event.get("kv_cache_spec_kind")
         if group is None:
             return True
-        if kind is not None and kind not in FULL_ATTENTION_KINDS:
+        if kind in PARTIAL_KINDS:
             self._partial_groups.add(group)
             return False
         if self._group is None and kind is not None:

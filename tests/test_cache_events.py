@@ -246,6 +246,10 @@ def test_only_a_hybrid_models_full_attention_group_is_read(translation: Translat
     assert table.apply([{"type": "BlockRemoved", "block_hashes": head, "group_idx": 1}]) == []
     removed = table.apply([{"type": "BlockRemoved", "block_hashes": head, "group_idx": 0}])
     assert [held for held, _ in removed] == [False] and len(removed[0][1]) > 0
+    # Full attention of another kind (gpt-oss's layers with sinks) is read all the same.
+    sinks = EndpointCacheEvents(translation)
+    stored = sinks.apply([window, {**full, "kv_cache_spec_kind": "sink_full_attention"}])
+    assert [held for held, _ in stored] == [True]
     plain = EndpointCacheEvents(translation)  # no groups: as before
     assert plain.apply([event]) and plain.apply([{"type": "BlockRemoved", "block_hashes": head}])
 
