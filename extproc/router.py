@@ -523,7 +523,9 @@ class Router:
 
     def peers(self) -> list[str]:
         """The peers whose queued work counts (heard from within PEER_FORGET_SECONDS)."""
-        now = self.clock()
+        return self._peers_heard(self.clock())
+
+    def _peers_heard(self, now: float) -> list[str]:
         return [p for p, (_, at) in self._peer_reports.items() if now - at <= PEER_FORGET_SECONDS]
 
     @property
@@ -624,7 +626,7 @@ class Router:
         cost (0.158 -> 0.165; 0.171 without), and did no worse on GAIE or chat
         (docs/benchmarks.md)."""
         unseen = self._unseen(positions, now)
-        if not self._peer_reports or not self.peers():
+        if not self._peer_reports or not self._peers_heard(now):
             return unseen  # none, or every peer silent (reports are dropped at the next one)
         peers = self._peer_work.left(positions, now, self.cost.drain_per_second)
         return np.maximum(unseen, self.config.peer_work_weight * peers)
@@ -753,11 +755,10 @@ class Router:
         decision.hashes = hashes
         if decision.endpoint is not None:
             chosen = self._position[decision.endpoint]
-            decision.charged_generation = int(self._generation[chosen])
+            self._charge(chosen, decision, now)  # (first: it names the incarnation recorded at)
             decision.unrecorded = True
             if not defer_record:
                 self.record(decision)
-            self._charge(chosen, decision, now)
             self._sent[chosen] += 1
             if decision.cold_start and cfg.balance_cold_starts:
                 self._placed *= 1.0 - 1.0 / BALANCE_COLD_STARTS
