@@ -463,7 +463,8 @@ def test_a_vllm_server_out_of_batch_slots_is_priced_by_its_own_metrics(
     moves a conversation off the server. With the rule off the waiting requests are its own
     drained charges, and the conversation stays."""
     slots = inspect.signature(lab.vllm_command).parameters["max_num_seqs"].default
-    lengths = [64] * 8 + [1536] * (slots + 8)  # FIFO: the short ones run first
+    shorts = 8
+    lengths = [64] * shorts + [1536] * (slots + 8)  # FIFO: the short ones run first
     _wait_until_idle(vllm_endpoints)
     home, other = vllm_endpoints
     endpoints = [EndpointConfig(address=a) for a in vllm_endpoints]
@@ -491,7 +492,12 @@ def test_a_vllm_server_out_of_batch_slots_is_priced_by_its_own_metrics(
     seen = []
     with ThreadPoolExecutor(len(lengths)) as pool:
         sent = time.monotonic()
-        answers = [pool.submit(_answer, home, i, n) for i, n in enumerate(lengths)]
+        answers = []
+        for i, n in enumerate(lengths):
+            if i == shorts:  # the short ones reach the server first (one was once queued behind
+                # 16 long ones, and the last answer came before 8 had ended)
+                time.sleep(0.5)
+            answers.append(pool.submit(_answer, home, i, n))
         previous = {a: signals.parse_metrics(_get(f"http://{a}/metrics")) for a in vllm_endpoints}
         deadline = time.monotonic() + 120
         while True:
