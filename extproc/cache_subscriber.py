@@ -86,6 +86,7 @@ class CacheEventSubscriber:
         self._task: asyncio.Task[None] | None = None
         self.counts: Counter[tuple[str, str]] = Counter()  # (endpoint, kind)
         self.tables: dict[str, EndpointCacheEvents] = {}
+        self._restarted: set[str] = set()  # endpoints whose server restarted, by its metrics
 
     def start(self) -> None:
         if self._task is None:
@@ -119,6 +120,15 @@ class CacheEventSubscriber:
                 self._tasks[endpoint] = asyncio.create_task(
                     self._read(endpoint), name=f"cache-events {endpoint}"
                 )
+
+    def restarted(self, endpoint: str) -> None:
+        """The endpoint's metrics show its server restarted. Its publisher's sequence then
+        starts over, which tells the same unless the new server published past the number
+        last read before this subscriber heard from it again (it reconnects within a few
+        seconds); so the next message empties the table and is read as a first one (asking
+        the replay socket, if any, for everything the new server buffered)."""
+        if endpoint in self.tables:
+            self._restarted.add(endpoint)
 
     def _socket(self, kind: int, address: str) -> zmq.asyncio.Socket:
         socket = self._context.socket(kind)
@@ -155,6 +165,14 @@ class CacheEventSubscriber:
             expected: int | None = None
             while True:
                 frames = await socket.recv_multipart()
+                if endpoint in self._restarted:
+                    # (The router forgot the endpoint's entries when it heard: those it
+                    # recorded since are the new server's, so only the table goes.)
+                    self._restarted.discard(endpoint)
+                    if expected is not None:
+                        expected = None
+                        self._count(endpoint, "restarts", 1)
+                        self.tables[endpoint].cleared()
                 sequence = message_sequence(frames)
                 if self.config.replay and sequence is not None and sequence > (expected or 0):
                     # A late start or lost messages: what the endpoint still buffers, first.

@@ -168,6 +168,8 @@ class RouterService:
         self.metrics.record_signals(address, signals)
         if signals.restarted:
             self.router.restarted(address)
+            if self.cache_events is not None:
+                self.cache_events.restarted(address)
         capacity = (
             signals.block_size * signals.num_blocks
             if signals.block_size and signals.num_blocks

@@ -1279,3 +1279,131 @@ def test_a_model_directory_vllm_serves_with_mistral_common_is_warned_about(
     with caplog.at_level("WARNING"):
         cache_events.load_translation(tmp_path, MODEL, BLOCK, 4096)
     assert "mistral_common" in caplog.text and "--tokenizer-mode hf" in caplog.text
+
+
+async def test_a_restart_the_metrics_show_starts_the_events_over(
+    tmp_path: Path, translation: Translation
+) -> None:
+    """A server restarted, and before the subscriber heard from it again the new one
+    published past the sequence number last read, so the sequence alone does not tell. Its
+    metrics do (the service hands the restart on): the table is emptied and the replay
+    socket asked for everything the new server buffered, from its first message. Asked
+    from the number last read, the new server's first messages (its prompt's blocks) are
+    missed and what extends them does not translate."""
+    messages = _first_turn()
+    prompt = _encode(_rendered(messages))
+    events = _events_of(prompt + _encode(REPLY), len(prompt) // VLLM_BLOCK)
+    whole = _router_hashes(
+        [*messages, {"role": "assistant", "content": REPLY}, {"role": "user", "content": "x"}]
+    )
+    endpoint = "127.0.0.1:8002"
+    router = Router(RoutingConfig(block_size_bytes=BLOCK), [EndpointConfig(address=endpoint)])
+    config = CacheEventsConfig(
+        publisher=f"ipc://{tmp_path}/kv-{{port}}.ipc",
+        replay=f"ipc://{tmp_path}/replay-{{port}}.ipc",
+        model_dir="x",
+        model=MODEL,
+    )
+    subscriber = CacheEventSubscriber(
+        config, translation, lambda: [endpoint], router.observe_cache_events
+    )
+    context = zmq.asyncio.Context()
+    publisher = context.socket(zmq.PUB)
+    publisher.bind(f"ipc://{tmp_path}/kv-8002.ipc")
+    replayer = context.socket(zmq.ROUTER)
+    replayer.bind(f"ipc://{tmp_path}/replay-8002.ipc")
+    buffered: list[bytes] = []  # what the publisher keeps for replay, from sequence 0
+
+    async def serve_replays() -> None:
+        while True:
+            client, _, start = await replayer.recv_multipart()
+            for seq in range(int.from_bytes(start, "big"), len(buffered)):
+                await replayer.send_multipart(
+                    [client, b"", b"", seq.to_bytes(8, "big"), buffered[seq]]
+                )
+            await replayer.send_multipart(
+                [client, b"", b"", (-1).to_bytes(8, "big", signed=True), b""]
+            )
+
+    server = asyncio.create_task(serve_replays())
+    subscriber.start()
+    counts = subscriber.counts
+    try:
+        deadline = asyncio.get_running_loop().time() + 10
+        # The old server's blocks (its own hashes: the hash seed changes with the process),
+        # read once the SUB socket has joined.
+        old = {**events[0], "block_hashes": [1000 + h for h in events[0]["block_hashes"]]}
+        while not router.index.match(whole, [endpoint]):
+            assert asyncio.get_running_loop().time() < deadline, counts
+            buffered.append(msgspec.msgpack.encode([0.0, [old], 0]))
+            await publisher.send_multipart(
+                [b"kv", (len(buffered) - 1).to_bytes(8, "big"), buffered[-1]]
+            )
+            await asyncio.sleep(0.1)
+        last_read = len(buffered) - 1
+        # It restarts; the new server publishes its request's blocks, one message each,
+        # then nothing, past the number last read; the subscriber hears only the last.
+        buffered = [msgspec.msgpack.encode([0.0, [event], 0]) for event in events[:-1]]
+        buffered += [msgspec.msgpack.encode([0.0, [], 0])] * (last_read + 1)
+        replayed = counts[endpoint, "replayed_messages"]  # (the old server's, if it joined late)
+        router.restarted(endpoint)
+        subscriber.restarted(endpoint)  # as the service does when the metrics show it
+        live = len(buffered)
+        assert live > last_read + 1
+        await publisher.send_multipart(
+            [b"kv", live.to_bytes(8, "big"), msgspec.msgpack.encode([0.0, [events[-1]], 0])]
+        )
+        while (
+            not counts[endpoint, "untranslated_blocks"]
+            + counts[endpoint, "replayed_messages"]
+            - replayed
+        ):
+            assert asyncio.get_running_loop().time() < deadline, counts
+            await asyncio.sleep(0.05)
+        await asyncio.sleep(0.2)
+        assert counts[endpoint, "restarts"] == 1
+        assert counts[endpoint, "replayed_messages"] - replayed == live
+        assert counts[endpoint, "untranslated_blocks"] == 0
+        matched = router.index.match(whole, [endpoint]).get(endpoint, 0)
+        assert matched >= len(whole) - 1, (matched, len(whole))
+        assert len(subscriber.tables[endpoint]) == len(events) - 1 + len(events[0]["block_hashes"])
+    finally:
+        await subscriber.stop()
+        server.cancel()
+        publisher.close(linger=0)
+        replayer.close(linger=0)
+        context.term()
+
+
+async def test_the_service_hands_a_restart_its_metrics_show_to_the_subscriber(
+    tmp_path: Path, translation: Translation, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from extproc.serve import RouterService
+    from extproc.signals import EndpointSignals
+
+    endpoint = "127.0.0.1:8002"
+    config = load_config(
+        None,
+        {
+            "server.listen": "127.0.0.1:0",
+            "server.admin_listen": "",
+            "endpoints": endpoint,
+            "health.enabled": False,
+            "cache_events.publisher": f"ipc://{tmp_path}/kv-{{port}}.ipc",
+            "cache_events.model_dir": str(tmp_path),
+            "cache_events.model": MODEL,
+        },
+        environ={},
+    )
+    service = RouterService(config, translation=translation)
+    assert service.cache_events is not None
+    told: list[str] = []
+    monkeypatch.setattr(service.cache_events, "restarted", told.append)
+    try:
+        service.scraper.record(endpoint, EndpointSignals(up=True, started=1.0))
+        service.scraper.record(endpoint, EndpointSignals(up=True, started=1.0))
+        assert told == []
+        service.scraper.record(endpoint, EndpointSignals(up=True, started=2.0))
+        assert told == [endpoint]
+    finally:
+        await service.cache_events.stop()
