@@ -31,7 +31,7 @@ from .cache_events import (
     in_pieces,
     message_sequence,
 )
-from .config import CacheEventsConfig, parse_host_port
+from .config import CacheEventsConfig, fill_address, parse_host_port
 
 log = logging.getLogger("extproc.cache_events")
 
@@ -61,8 +61,7 @@ async def _let_decisions_run() -> None:
 
 def publisher_address(template: str, endpoint: str) -> str:
     """The publisher of one endpoint: ``cache_events.publisher`` with its host and port."""
-    host, port = parse_host_port(endpoint)
-    return template.format(host=f"[{host}]" if ":" in host else host, port=port)
+    return fill_address(template, *parse_host_port(endpoint))
 
 
 class CacheEventSubscriber:

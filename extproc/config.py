@@ -546,6 +546,19 @@ class PeersConfig(_Strict):
         return self
 
 
+_PORT_FIELD = re.compile(r"\{port([+-]\d+)?\}")
+
+
+def fill_address(template: str, host: str, port: int) -> str:
+    """A ZMQ address for one endpoint: ``{host}`` and ``{port}`` filled from the endpoint's
+    address, ``{port+N}`` / ``{port-N}`` with the port moved by N (vLLM ranks started with
+    ``--data-parallel-external-lb`` serve on consecutive ports and publish on the
+    configured events port plus their rank: API 8000 + r publishes on 5557 + r, so
+    ``tcp://{host}:{port-2443}``)."""
+    filled = _PORT_FIELD.sub(lambda m: str(port + int(m.group(1) or 0)), template)
+    return filled.format(host=f"[{host}]" if ":" in host else host)
+
+
 class CacheEventsConfig(_Strict):
     """The endpoints' own KV-cache events (vLLM's ``--kv-events-config``, ZMQ publisher):
     blocks each endpoint stored and evicted, whoever routed the request, translated into
@@ -556,7 +569,10 @@ class CacheEventsConfig(_Strict):
     publisher: str = Field(
         default="",
         description="ZMQ address of each endpoint's event publisher, {host} and {port} "
-        "taken from the endpoint's address: tcp://{host}:5557, or ipc:///run/kv-{port}.ipc",
+        "taken from the endpoint's address: tcp://{host}:5557, or ipc:///run/kv-{port}.ipc; "
+        "{port+N} / {port-N} for a port N away (data-parallel ranks as endpoints of their "
+        "own publish on the events port plus their rank: tcp://{host}:{port-2443} for "
+        "API ports 8000, 8001, … and events 5557, 5558, …)",
     )
     replay: str = Field(
         default="",
@@ -584,10 +600,11 @@ class CacheEventsConfig(_Strict):
         if value and not value.startswith(("tcp://", "ipc://")):
             raise ValueError(f"{value!r} is not a tcp:// or ipc:// address")
         try:
-            value.format(host="h", port=1)
+            fill_address(value, "h", 1)
         except (KeyError, IndexError, ValueError) as exc:
             raise ValueError(
-                f"{value!r}: only {{host}} and {{port}} may be filled ({exc})"
+                f"{value!r}: only {{host}}, {{port}} and {{port+N}} / {{port-N}} may be "
+                f"filled ({exc})"
             ) from None
         return value
 

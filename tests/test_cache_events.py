@@ -629,6 +629,11 @@ def test_config_names_what_is_missing(tmp_path: Path) -> None:
     assert (
         publisher_address("ipc:///run/kv-{port}.ipc", "10.0.0.7:8001") == "ipc:///run/kv-8001.ipc"
     )
+    # Data-parallel ranks as endpoints of their own: API 8000 + rank, events 5557 + rank.
+    assert publisher_address("tcp://{host}:{port-2443}", "10.0.0.7:8003") == "tcp://10.0.0.7:5560"
+    assert publisher_address("tcp://{host}:{port+1}", "[::1]:8000") == "tcp://[::1]:8001"
+    with pytest.raises(ConfigError, match=r"cache_events\.publisher.*\{port-N\}"):
+        load_config(None, {"cache_events.publisher": "tcp://{host}:{port*2}"}, environ={})
 
 
 def test_a_router_applies_an_endpoints_events_unless_it_places_nearly_all_traffic() -> None:
