@@ -613,6 +613,8 @@ def _connection_manager(options: EnvoyOptions, endpoints: list[tuple[str, int]])
             }
         ],
     }
+    if options.mode != "round-robin":
+        virtual_host["response_headers_to_remove"] = [UPSTREAM_FAILURE_HEADER]
     manager: dict[str, Any] = {
         "stat_prefix": "llm",
         "codec_type": "AUTO",
@@ -638,10 +640,13 @@ def _connection_manager(options: EnvoyOptions, endpoints: list[tuple[str, int]])
         # Envoy's own 503 for an upstream it could not reach carries the response flags, so
         # the router (response-headers phase) can tell a dead replica from a busy one and
         # stop picking it at once instead of waiting for its probes.
+        # Only Envoy's own failures to reach it: not UO (its circuit breaker overflowed,
+        # the endpoint is busy, not dead). A replica's response carrying the header (a proxy
+        # of its own in front of it) has it removed (virtual host), before this is added.
         manager["local_reply_config"] = {
             "mappers": [
                 {
-                    "filter": {"response_flag_filter": {"flags": ["UF", "URX", "UH", "UO"]}},
+                    "filter": {"response_flag_filter": {"flags": ["UF", "URX", "UH"]}},
                     "headers_to_add": [
                         {
                             "header": {"key": UPSTREAM_FAILURE_HEADER, "value": "%RESPONSE_FLAGS%"},

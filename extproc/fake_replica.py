@@ -70,6 +70,9 @@ class ReplicaSettings:
     max_num_seqs: int = 16
     output_tokens: int = 16
     max_output_tokens: int = 256
+    # Headers every response carries ("name: value"), as a replica behind a proxy of its own
+    # might send; tests check that the router's own markers cannot be forged this way.
+    response_headers: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         for name in ("block_tokens", "bytes_per_token", "max_num_seqs", "output_tokens"):
@@ -81,6 +84,9 @@ class ReplicaSettings:
             raise ValueError("timings must not be negative")
         if self.max_output_tokens < self.output_tokens:
             raise ValueError("max_output_tokens must be >= output_tokens")
+        for header in self.response_headers:
+            if ":" not in header:
+                raise ValueError(f"response header {header!r} is not 'name: value'")
 
     @property
     def capacity_blocks(self) -> int:
@@ -536,8 +542,14 @@ def build_app(settings: ReplicaSettings) -> web.Application:
             body=generate_latest(registry), headers={"Content-Type": CONTENT_TYPE_PLAIN_0_0_4}
         )
 
+    extra_headers = [
+        tuple(h.strip() for h in header.split(":", 1)) for header in settings.response_headers
+    ]
+
     async def name_header(_: web.Request, response: web.StreamResponse) -> None:
         response.headers["x-replica-name"] = settings.name
+        for name, value in extra_headers:
+            response.headers[name] = value
 
     app.on_response_prepare.append(name_header)
     app.router.add_post("/v1/chat/completions", completions)
@@ -571,6 +583,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=d.model,
         help="served model name (default %(default)s)",
     )
+    parser.add_argument(
+        "--response-header",
+        dest="response_headers",
+        action="append",
+        default=[],
+        help="'name: value' every response carries (repeatable)",
+    )
     for flag, kind, doc in (
         ("capacity-tokens", int, "KV-cache size in tokens"),
         ("block-tokens", int, "tokens per cache block"),
@@ -595,6 +614,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def settings_from_args(args: argparse.Namespace) -> ReplicaSettings:
     """ReplicaSettings from parsed flags; the name defaults to fake-PORT."""
     fields = {k: getattr(args, k) for k in ReplicaSettings.__dataclass_fields__ if k != "name"}
+    fields["response_headers"] = tuple(fields["response_headers"])
     return ReplicaSettings(name=args.name or f"fake-{args.port}", **fields)
 
 

@@ -217,6 +217,20 @@ def test_body_limit_served_header_and_retries(mode: str) -> None:
         assert route["route"]["timeout"] == "0s"
 
 
+@pytest.mark.parametrize("mode", ["override-host", "original-dst"])
+def test_only_envoys_own_failures_to_reach_a_replica_are_marked(mode: str) -> None:
+    """Envoy's reply for an upstream it could not reach carries the marker the router acts
+    on: not its circuit breaker's overflow (a busy endpoint, not a dead one), and never a
+    replica's own response (removed on the way; the real-Envoy test is in
+    tests/integration/test_replica_failure.py)."""
+    config = manager(render(EnvoyOptions(mode=mode)))
+    (mapper,) = config["local_reply_config"]["mappers"]
+    assert mapper["filter"]["response_flag_filter"]["flags"] == ["UF", "URX", "UH"]
+    assert mapper["headers_to_add"][0]["header"]["key"] == envoyconf.UPSTREAM_FAILURE_HEADER
+    vhost = config["route_config"]["virtual_hosts"][0]
+    assert vhost["response_headers_to_remove"] == [envoyconf.UPSTREAM_FAILURE_HEADER]
+
+
 def test_to_yaml_round_trips() -> None:
     config = render(EnvoyOptions(mode="original-dst"))
     assert yaml.safe_load(envoyconf.to_yaml(config)) == config

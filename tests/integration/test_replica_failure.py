@@ -90,3 +90,25 @@ def test_original_dst_stops_picking_a_dead_replica_after_envoys_first_failure():
             response = routed.send(chat_body(*history))
             assert response.status == 200, response.body[:300]
             assert response.replica != home.replica
+
+
+@pytest.mark.parametrize("mode", ["override-host", "original-dst"])
+def test_a_replica_cannot_mark_itself_failed_with_envoys_header(mode):
+    """Every replica's responses carry the header Envoy puts on its own reply for an
+    unreachable upstream (a replica behind a proxy of its own might): Envoy removes it, so
+    the router keeps a conversation on its replica and the client never sees it."""
+    forged = ["--response-header", "x-prefix-router-upstream-failure: UF"]
+    with Stack() as stack:
+        members = stack.start_replicas(3, [*FAST, *forged])
+        routed = start_routed_stack(
+            stack, mode, "buffered", members, ["--set", "health.interval_seconds=30"]
+        )
+        history = ["Tell me about forged headers. " * 30]
+        served = []
+        for turn in range(5):
+            response = routed.send(chat_body(*history))
+            assert response.status == 200, response.body[:300]
+            assert "x-prefix-router-upstream-failure" not in response.headers
+            served.append(response.replica)
+            history += ["An answer.", f"next question {turn}"]
+        assert len(set(served)) == 1, served
