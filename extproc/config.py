@@ -7,6 +7,7 @@ operator can fix the file without reading code.
 from __future__ import annotations
 
 import ipaddress
+import logging
 import os
 import re
 from collections.abc import Iterable, Mapping
@@ -24,6 +25,7 @@ from pydantic import (
 )
 
 ENV_PREFIX = "PREFIX_ROUTER_"
+log = logging.getLogger("extproc.config")
 DEFAULT_HEADER = "x-gateway-destination-endpoint"
 
 
@@ -688,6 +690,15 @@ class Config(_Strict):
         return value
 
 
+def _get_path(tree: dict[str, Any], path: list[str]) -> Any:
+    node: Any = tree
+    for key in path:
+        if not isinstance(node, dict):
+            return None
+        node = node.get(key)
+    return node
+
+
 def _set_path(tree: dict[str, Any], path: list[str], value: Any) -> None:
     node = tree
     for key in path[:-1]:
@@ -698,13 +709,25 @@ def _set_path(tree: dict[str, Any], path: list[str], value: Any) -> None:
     node[path[-1]] = value
 
 
+# Kubernetes puts these in every pod for each Service of the namespace (docker-link style):
+# a Service named prefix-router gives PREFIX_ROUTER_SERVICE_HOST, PREFIX_ROUTER_PORT_9002_TCP…
+_SERVICE_LINK = re.compile(
+    r"^(?:[A-Z0-9_]+_)?(?:SERVICE_HOST|SERVICE_PORT(?:_[A-Z0-9_]+)?"
+    r"|PORT(?:_\d+_(?:TCP|UDP|SCTP)(?:_(?:PROTO|PORT|ADDR))?)?)$"
+)
+
+
 def _env_overrides(environ: Mapping[str, str]) -> list[tuple[list[str], Any]]:
-    """PREFIX_ROUTER_SERVER__LISTEN=... → (['server', 'listen'], value); values parse as YAML."""
+    """PREFIX_ROUTER_SERVER__LISTEN=... → (['server', 'listen'], value); values parse as YAML.
+    Kubernetes' service-link variables (no ``__`` in them) are not settings: skipped."""
     overrides = []
     for name, raw in environ.items():
         if not name.startswith(ENV_PREFIX):
             continue
-        path = [part.lower() for part in name[len(ENV_PREFIX) :].split("__") if part]
+        key = name[len(ENV_PREFIX) :]
+        if "__" not in key and _SERVICE_LINK.match(key):
+            continue
+        path = [part.lower() for part in key.split("__") if part]
         if path:
             overrides.append((path, yaml.safe_load(raw) if raw else raw))
     return overrides
@@ -758,6 +781,15 @@ def load_config(
             raise ConfigError(f"config file {path}: top level must be a mapping")
         tree = loaded
     for key_path, value in _env_overrides(os.environ if environ is None else environ):
+        in_file = _get_path(tree, key_path)
+        if in_file is not None and in_file != value:
+            # (The container image sets server.listen and server.admin_listen this way.)
+            log.warning(
+                "%s: the environment's %r overrides the config file's %r",
+                ".".join(key_path),
+                value,
+                in_file,
+            )
         _set_path(tree, key_path, value)
     for dotted, value in (overrides or {}).items():
         if value is not None:

@@ -1,5 +1,7 @@
 """Configuration: file < env < flags, and errors that name the field."""
 
+from pathlib import Path
+
 import pytest
 
 from extproc.config import ConfigError, load_config
@@ -26,6 +28,44 @@ def test_file_then_env_then_overrides(tmp_path):
     assert cfg.routing.stickiness == 0.1
     assert [e.address for e in cfg.endpoints] == ["127.0.0.1:8001", "127.0.0.1:8002"]
     assert cfg.endpoints[0].capacity_tokens == 1000
+
+
+def test_the_environment_overriding_the_file_is_said(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The container image sets server.listen through the environment, which beats the
+    file: a file that sets another address is overridden, and the log says so."""
+    path = tmp_path / "config.yaml"
+    path.write_text("server: {listen: '[::]:9002', workers: 1}\n")
+    env = {"PREFIX_ROUTER_SERVER__LISTEN": "0.0.0.0:9002", "PREFIX_ROUTER_SERVER__WORKERS": "1"}
+    with caplog.at_level("WARNING", logger="extproc.config"):
+        cfg = load_config(path, environ=env)
+    assert cfg.server.listen == "0.0.0.0:9002"
+    (record,) = caplog.records
+    assert "server.listen" in record.getMessage() and "[::]:9002" in record.getMessage()
+
+
+def test_kubernetes_service_link_variables_are_not_settings() -> None:
+    """Kubernetes gives every pod docker-link variables for each Service of its namespace;
+    a Service named prefix-router (or prefix-router-anything) shares the settings' prefix,
+    and its variables used to stop the router at start-up ("service_host: Extra inputs are not
+    permitted"). A misspelt setting is still refused."""
+    links = {
+        "PREFIX_ROUTER_SERVICE_HOST": "10.96.0.12",
+        "PREFIX_ROUTER_SERVICE_PORT": "9002",
+        "PREFIX_ROUTER_SERVICE_PORT_GRPC": "9002",
+        "PREFIX_ROUTER_PORT": "tcp://10.96.0.12:9002",
+        "PREFIX_ROUTER_PORT_9002_TCP": "tcp://10.96.0.12:9002",
+        "PREFIX_ROUTER_PORT_9002_TCP_PROTO": "tcp",
+        "PREFIX_ROUTER_PORT_9002_TCP_PORT": "9002",
+        "PREFIX_ROUTER_PORT_9002_TCP_ADDR": "10.96.0.12",
+        "PREFIX_ROUTER_METRICS_SERVICE_HOST": "10.96.0.13",
+        "PREFIX_ROUTER_METRICS_PORT_9003_UDP_ADDR": "10.96.0.13",
+    }
+    cfg = load_config(environ={**links, "PREFIX_ROUTER_SERVER__WORKERS": "2"})
+    assert cfg.server.workers == 2
+    with pytest.raises(ConfigError, match="servce_host"):
+        load_config(environ={"PREFIX_ROUTER_SERVCE_HOST": "x"})
 
 
 def test_endpoints_from_a_comma_string_and_ipv6():

@@ -209,6 +209,25 @@ def test_router_configmap_is_a_valid_router_config(tmp_path: Path) -> None:
     path = tmp_path / "config.yaml"
     path.write_text(configmap["data"]["config.yaml"])
     config = load_config(path, environ={})
+    # As Kubernetes starts it: the docker-link variables of the namespace's Services (the
+    # pod turns them off; the router skips them anyway) and the container's own env.
+    links = {}
+    services = [
+        d for p, d in all_documents() if d["kind"] == "Service" and p.parent.name == "kubernetes"
+    ]
+    for service in services:
+        if service["spec"].get("clusterIP") == "None":
+            continue
+        name = service["metadata"]["name"].upper().replace("-", "_")
+        links[f"{name}_SERVICE_HOST"] = "10.96.0.12"
+        for port in service["spec"]["ports"]:
+            links[f"{name}_SERVICE_PORT_{port['name'].upper().replace('-', '_')}"] = "1"
+            links[f"{name}_PORT_{port['port']}_TCP_ADDR"] = "10.96.0.12"
+    assert "PREFIX_ROUTER_SERVICE_HOST" in links
+    (container,) = find("Deployment")["spec"]["template"]["spec"]["containers"]
+    env = {e["name"]: e["value"] for e in container.get("env", []) if "value" in e}
+    assert load_config(path, environ={**links, **env}) == load_config(path, environ=env)
+    assert find("Deployment")["spec"]["template"]["spec"]["enableServiceLinks"] is False
     assert config.server.listen == "0.0.0.0:9002"
     assert config.discovery.kind == "kubernetes"
     assert config.discovery.service == "vllm" and config.discovery.port == "http"
