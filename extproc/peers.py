@@ -119,6 +119,7 @@ class PeerReader(EndpointPoller[PeerAnswer]):
         self._on_placed = on_placed
         self._scheme = scheme
         self._foreign: set[str] = set()  # peers warned about for another hash scheme
+        self._unread: set[str] = set()  # peers whose placements page could not be read
         self._answering: dict[str, bool] = {}
         # Per peer address: the placement log read and the last placement number seen.
         self._seen: dict[str, tuple[str, int]] = {}
@@ -169,7 +170,18 @@ class PeerReader(EndpointPoller[PeerAnswer]):
             for router, placed in (result.placed or {}).items():
                 self._on_placed(router, placed)
         answer = result.placements
-        if answer is None or self._on_placements is None:
+        if self._on_placements is None:
+            return
+        unread = answering and answer is None
+        if unread != (address in self._unread):
+            log.log(
+                logging.WARNING if unread else logging.INFO,
+                "peer router %s: its placements %s",
+                address,
+                "could not be read (too large, garbled or cut)" if unread else "are read again",
+            )
+            (self._unread.add if unread else self._unread.discard)(address)
+        if answer is None:
             return
         self._seen[address] = (answer.log, answer.last)
         if answer.scheme == self._scheme:

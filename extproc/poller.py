@@ -9,13 +9,33 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 from collections.abc import Callable
 from typing import Generic, TypeVar
 
 import aiohttp
 
+log = logging.getLogger(__name__)
 Result = TypeVar("Result")
 Parsed = TypeVar("Parsed")
+
+
+# A page larger than this is not read (a metrics page is ~100 KB per engine; it is parsed
+# on the event loop that makes the routing decisions, 30 MB held it ~0.3 s).
+MAX_PAGE_BYTES = 8 * 2**20
+
+
+async def read_at_most(response: aiohttp.ClientResponse, max_bytes: int) -> bytes | None:
+    """The whole body, or None past ``max_bytes`` (``content.read(n)`` returns only what has
+    arrived so far: a large answer came back cut at ~64 KB)."""
+    if response.content_length is not None and response.content_length > max_bytes:
+        return None
+    body = bytearray()
+    async for chunk in response.content.iter_chunked(1 << 16):
+        body += chunk
+        if len(body) > max_bytes:
+            return None
+    return bytes(body)
 
 
 async def fetch_parsed(
@@ -30,10 +50,8 @@ async def fetch_parsed(
         async with session.get(url) as response:
             if response.status != 200:
                 return None
-            if max_bytes is None:
-                return parse(await response.text())
-            body = await response.content.read(max_bytes + 1)
-            if len(body) > max_bytes:
+            body = await read_at_most(response, max_bytes or MAX_PAGE_BYTES)
+            if body is None:
                 return None
             return parse(body.decode(response.charset or "utf-8"))
     except (aiohttp.ClientError, TimeoutError, OSError, ValueError, LookupError):
@@ -64,7 +82,10 @@ class EndpointPoller(Generic[Result]):
 
     async def _loop(self) -> None:
         timeout = aiohttp.ClientTimeout(total=self.timeout)
-        async with aiohttp.ClientSession(timeout=timeout) as session:
+        # No pool limit: aiohttp's default of 100 connections made the 101st endpoint's
+        # poll wait for a connection inside its timeout, and fail.
+        connector = aiohttp.TCPConnector(limit=0)
+        async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
             while True:
                 await self.poll_all(session)
                 await asyncio.sleep(self.interval)
@@ -73,7 +94,12 @@ class EndpointPoller(Generic[Result]):
         addresses = self._addresses()
         results = await asyncio.gather(*(self.poll(session, a) for a in addresses))
         for address, result in zip(addresses, results, strict=True):
-            self.record(address, result)
+            try:
+                self.record(address, result)
+            except Exception:
+                # A fault in what a result feeds (an answer nobody foresaw) must not end the
+                # polling of every endpoint, silently.
+                log.exception("%s: recording %s's answer failed", self.task_name, address)
 
     async def poll(self, session: aiohttp.ClientSession, address: str) -> Result:
         raise NotImplementedError

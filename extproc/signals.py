@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -73,6 +74,10 @@ class EndpointSignals:
 
 
 _CONFIG_INFO = "vllm:cache_config_info"
+# A KV cache is read as at most this many tokens: the index is sized by it, 12 bytes a block
+# allocated up front (25 MB an endpoint at the default 16 tokens a block; the largest real
+# caches hold ~10 million tokens). A 400-digit size had ended the scraper.
+MAX_KV_TOKENS = 2**25
 _READ = frozenset((*_GAUGES, *_COUNTERS, _CONFIG_INFO, _STARTED))
 
 
@@ -92,17 +97,22 @@ def parse_metrics(text: str) -> EndpointSignals:
     blocks: dict[str, int] = {}  # engine -> its KV blocks
     for family in text_string_to_metric_families(_samples_read(text)):
         for sample in family.samples:
-            name = sample.name
+            name, value = sample.name, sample.value
+            if not (math.isfinite(value) and value >= 0):
+                continue  # (a NaN window once held the learned prefill rate at NaN for good)
             if name in _GAUGES or name in _COUNTERS:
-                series.setdefault(name, []).append(sample.value)
+                series.setdefault(name, []).append(value)
             elif name == _STARTED:
-                signals.started = sample.value
+                signals.started = value
             elif name == _CONFIG_INFO:
                 with contextlib.suppress(KeyError, ValueError):
-                    signals.block_size = int(sample.labels["block_size"])
-                    blocks[sample.labels.get("engine", "")] = int(sample.labels["num_gpu_blocks"])
-    if blocks:
-        signals.num_blocks = sum(blocks.values())
+                    block_size = int(sample.labels["block_size"])
+                    num_blocks = int(sample.labels["num_gpu_blocks"])
+                    if 0 < block_size <= MAX_KV_TOKENS and num_blocks > 0:
+                        signals.block_size = block_size
+                        blocks[sample.labels.get("engine", "")] = num_blocks
+    if blocks and signals.block_size:
+        signals.num_blocks = min(sum(blocks.values()), MAX_KV_TOKENS // signals.block_size)
     for name, field in (*_GAUGES.items(), *_COUNTERS.items()):
         values = series.get(name)
         if values and getattr(signals, field) is None:

@@ -186,6 +186,26 @@ async def test_the_reader_reads_only_new_placements_from_a_peers_admin_port(monk
     ]
 
 
+async def test_a_large_placements_answer_is_read_whole():
+    """A busy peer's answer runs to megabytes (2,000 placements of 64 blocks: ~1.5 MB). The
+    reader took only what the connection had buffered (~64 KB), failed to decode it, and
+    asked for the same answer again at every poll: placements stopped, silently."""
+    log = PlacementLog()
+    runner, port = await _serve(build_admin_app(DecisionLog(10), lambda: True, log))
+    heard: list[list[Placement]] = []
+    reader = PeerReader(
+        PeersConfig(addresses=(f"127.0.0.1:{port}",)), lambda *_: None, heard.append
+    )
+    try:
+        for i in range(2000):
+            log.add(_placement(i, 64))
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5.0)) as session:
+            await reader.poll_all(session)
+    finally:
+        await runner.cleanup()
+    assert sum(len(batch) for batch in heard) == 2000
+
+
 async def test_a_router_that_shares_nothing_answers_an_empty_log():
     runner, port = await _serve(build_admin_app(DecisionLog(10), lambda: True))
     try:
@@ -225,7 +245,9 @@ async def test_placements_hashed_another_way_are_skipped_with_a_warning(caplog):
 
 
 @pytest.mark.parametrize("answer", ["garbled", "oversized"])
-async def test_a_peer_with_a_broken_placements_page_still_counts_its_work(answer, monkeypatch):
+async def test_a_peer_with_a_broken_placements_page_still_counts_its_work(
+    answer, monkeypatch, caplog
+):
     page = "\n".join(
         [
             "# TYPE prefix_router_own_queued_work gauge",
@@ -256,5 +278,9 @@ async def test_a_peer_with_a_broken_placements_page_still_counts_its_work(answer
     finally:
         await runner.cleanup()
     assert answer.placements is None
-    reader.record(f"127.0.0.1:{port}", answer)
-    assert work == ["r1"] and placements == [] and reader._pending == []
+    with caplog.at_level("WARNING", logger="extproc.peers"):
+        reader.record(f"127.0.0.1:{port}", answer)
+        reader.record(f"127.0.0.1:{port}", answer)
+    assert work == ["r1", "r1"] and placements == [] and reader._pending == []
+    (warning,) = [r.getMessage() for r in caplog.records if "placements" in r.getMessage()]
+    assert "could not be read" in warning

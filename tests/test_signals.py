@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import aiohttp
 import pytest
 
@@ -150,3 +152,64 @@ def test_a_real_vllm_page_parses_alike_when_only_the_read_samples_are_parsed(mon
     assert len(signals._samples_read(text).splitlines()) == 10
     monkeypatch.setattr(signals, "_samples_read", lambda page: page)
     assert parse_metrics(text) == filtered
+
+
+def test_figures_no_server_means_are_not_read():
+    """A NaN or negative figure (one NaN prefill window held the learned prefill throughput
+    at NaN for good) is left out, and an absurd KV size is capped: the index is allocated
+    by it (a 400-digit one raised OverflowError and ended the scraper)."""
+    text = VLLM_TEXT.replace(
+        'vllm:request_prefill_time_seconds_sum{engine="0",model_name="m"} 0.75',
+        'vllm:request_prefill_time_seconds_sum{engine="0",model_name="m"} NaN',
+    ).replace(
+        'vllm:num_requests_waiting{engine="0",model_name="m"} 5.0',
+        'vllm:num_requests_waiting{engine="0",model_name="m"} -5.0',
+    )
+    signals = parse_metrics(text)
+    assert signals.prefill_seconds is None and signals.waiting is None
+    assert signals.running == 3.0 and signals.prefills == 12.0
+    huge = VLLM_TEXT.replace('num_gpu_blocks="2048"', f'num_gpu_blocks="{10**400}"')
+    signals = parse_metrics(huge)
+    assert signals.block_size == 32 and signals.num_blocks * 32 <= 2**25
+
+
+async def test_a_page_too_large_reads_as_down_and_a_fault_recording_it_ends_nothing(
+    monkeypatch: pytest.MonkeyPatch,
+):
+    from aiohttp import web
+
+    from extproc import poller
+
+    page = VLLM_TEXT + "# filler\n" * 2000
+
+    async def metrics(_: web.Request) -> web.Response:
+        return web.Response(text=page)
+
+    app = web.Application()
+    app.router.add_get("/metrics", metrics)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    address = f"127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+    got: list[EndpointSignals] = []
+
+    def record(_: str, signals: EndpointSignals) -> None:
+        got.append(signals)
+        if len(got) == 1:
+            raise OverflowError("a fault in what the answer feeds")
+
+    scraper = MetricsScraper(lambda: [address], record, interval_seconds=0.01)
+    try:
+        scraper.start()
+        for _ in range(200):
+            if len(got) >= 2:
+                break
+            await asyncio.sleep(0.01)
+        assert len(got) >= 2 and got[-1].up  # the poller went on after the fault
+        monkeypatch.setattr(poller, "MAX_PAGE_BYTES", len(page) - 1)
+        async with aiohttp.ClientSession() as session:
+            assert not (await scraper.poll(session, address)).up
+    finally:
+        await scraper.stop()
+        await runner.cleanup()
