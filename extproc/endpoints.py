@@ -44,6 +44,11 @@ class HealthChecker(EndpointPoller[bool]):
         except (aiohttp.ClientError, TimeoutError, OSError):
             return False
 
+    def forget(self, gone: set[str]) -> None:
+        for address in gone:  # (an address back later starts its counts over)
+            self._failures.pop(address, None)
+            self._successes.pop(address, None)
+
     def record(self, address: str, ok: bool) -> None:
         if ok:
             self._failures[address] = 0

@@ -3,8 +3,10 @@
 With ``--workers N`` the supervisor sets PROMETHEUS_MULTIPROC_DIR before starting the
 workers; each worker's values live in memory-mapped files there and the supervisor's admin
 endpoint sums them (gauges by their declared ``multiprocess_mode``).
-Metric names are prefixed ``prefix_router_``; endpoint labels are endpoint addresses, so
-cardinality is bounded by the endpoint set.
+Metric names are prefixed ``prefix_router_``; endpoint labels are endpoint addresses, and
+a removed endpoint's series go with it (``refresh``), so cardinality is bounded by the
+endpoint set. With workers a series cannot be removed (prometheus_client keeps it in the
+worker's file): its gauges are zeroed instead, and its counters stay until the worker ends.
 """
 
 from __future__ import annotations
@@ -123,6 +125,7 @@ class RouterMetrics:
             "livemax",
         )
         self._own_exported: set[str] = set()
+        self._endpoints_exported: set[str] = set()
         self.peer_placements = counter(
             "prefix_router_peer_placements",
             "Placements read from peer router replicas into this one's index (peers config)",
@@ -198,6 +201,20 @@ class RouterMetrics:
             "livemax",
         )
 
+    @property
+    def _endpoint_gauges(self) -> tuple[Gauge, ...]:
+        return (
+            self.in_flight,
+            self.queued_work,
+            self.peer_placed_work,
+            self.healthy,
+            self.index_entries,
+            self.realised_hit_ratio,
+            self.metrics_up,
+            self.queue_depth,
+            self.kv_usage,
+        )
+
     def observe(self, outcome: Outcome) -> None:
         decision = outcome.decision
         reason = decision.rule if decision is not None else outcome.detail
@@ -243,6 +260,24 @@ class RouterMetrics:
         for address, entries in router.index.entries_by_endpoint().items():
             self.index_entries.labels(address).set(entries)
         self.index_bytes.set(router.index_stats().approx_bytes)
+        # A removed endpoint (a deleted pod) kept showing healthy=1, its last in-flight count
+        # and so on, for as long as the router ran; with pod churn, series piled up.
+        for address in self._endpoints_exported - set(router.endpoints):
+            self.forget_endpoint(address)
+        self._endpoints_exported = set(router.endpoints)
+
+    def forget_endpoint(self, address: str) -> None:
+        """Drop a removed endpoint's series (zero its gauges where they cannot be dropped)."""
+        workers = bool(os.environ.get(MULTIPROC_ENV))
+        for gauge_ in self._endpoint_gauges:
+            if workers:
+                gauge_.labels(address).set(0.0)
+            else:
+                gauge_.remove(address)
+        if not workers:
+            for counter_ in (self.endpoint_decisions, self.prompt_blocks, self.matched_blocks):
+                counter_.remove(address)
+            self.cache_events.remove_by_labels({"endpoint": address})
 
     def record_signals(self, address: str, signals: EndpointSignals) -> None:
         self.metrics_up.labels(address).set(1 if signals.up else 0)

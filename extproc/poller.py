@@ -68,6 +68,7 @@ class EndpointPoller(Generic[Result]):
         self.interval = interval_seconds
         self.timeout = timeout_seconds
         self._task: asyncio.Task[None] | None = None
+        self._polled: set[str] = set()
 
     def start(self) -> None:
         if self._task is None:
@@ -100,6 +101,11 @@ class EndpointPoller(Generic[Result]):
                 # A fault in what a result feeds (an answer nobody foresaw) must not end the
                 # polling of every endpoint, silently.
                 log.exception("%s: recording %s's answer failed", self.task_name, address)
+        self.forget(self._polled - set(addresses))
+        self._polled = set(addresses)
+
+    def forget(self, gone: set[str]) -> None:
+        """Addresses no longer polled: what is kept per address goes (pod churn)."""
 
     async def poll(self, session: aiohttp.ClientSession, address: str) -> Result:
         raise NotImplementedError

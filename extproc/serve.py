@@ -145,7 +145,7 @@ class RouterService:
                 translation or translation_from_config(config),
                 lambda: self.router.endpoints,
                 self.router.observe_cache_events,
-                lambda endpoint, kind, n: self.metrics.cache_events.labels(endpoint, kind).inc(n),
+                self._count_cache_events,
             )
         # A worker hands its placements to the supervisor, whose admin port serves them.
         self._placement_sink = placement_sink if sharing else None
@@ -163,8 +163,14 @@ class RouterService:
         self.tls: CertificateReloader | None = None
         self.service: ExternalProcessorService | None = None
 
+    def _count_cache_events(self, endpoint: str, kind: str, n: int) -> None:
+        if self.router.is_member(endpoint):  # (not a series for an endpoint just removed)
+            self.metrics.cache_events.labels(endpoint, kind).inc(n)
+
     def _on_signals(self, address: str, signals: EndpointSignals) -> None:
         """An endpoint's own metrics: published, and fed to the scheduler (load, KV)."""
+        if not self.router.is_member(address):
+            return  # a scrape that was under way when the endpoint was removed
         self.metrics.record_signals(address, signals)
         if signals.restarted:
             self.router.restarted(address)

@@ -141,6 +141,10 @@ class MetricsScraper(EndpointPoller[EndpointSignals]):
         signals = await fetch_parsed(session, f"http://{address}{self.path}", parse_metrics)
         return EndpointSignals(up=False) if signals is None else signals
 
+    def forget(self, gone: set[str]) -> None:
+        for address in gone:
+            self.latest.pop(address, None)
+
     def record(self, address: str, signals: EndpointSignals) -> None:
         previous = self.latest.get(address)
         if previous is not None and previous.up != signals.up:

@@ -555,3 +555,13 @@ async def test_a_router_measures_its_share_from_the_queues_before_requests_finis
     finally:
         await svc.stop(0)
         await runner.cleanup()
+
+
+async def test_a_scrape_of_an_endpoint_removed_meanwhile_makes_no_series(service):
+    """A scrape under way when discovery removed its endpoint is answered afterwards: it
+    must not bring the endpoint's series back (nor reach the router)."""
+    gone = "10.9.9.9:8000"
+    assert not service.router.is_member(gone)
+    service.scraper.record(gone, EndpointSignals(up=True, waiting=3, kv_usage=0.5))
+    assert service.metrics.metrics_up._metrics.get((gone,)) is None
+    assert service.metrics.queue_depth._metrics.get((gone,)) is None
