@@ -16,7 +16,9 @@ start-up list until then.
   absent (the API says to treat a missing value as ready; terminating endpoints are not
   ready); their first address is used with the slice's port matching ``port`` (name or
   number). A watch that ends (server-side expiry) is re-opened from the last resourceVersion;
-  ``410 Gone``, as an HTTP status or as an ERROR event, triggers a fresh list.
+  ``410 Gone``, as an HTTP status or as an ERROR event, triggers a fresh list. Events that
+  come within ``SETTLE_SECONDS`` of each other are published together (a pod moved between
+  slices is two updates, and must not read as removed in between).
 
 ``Router.set_endpoints`` drops the index entries and load of endpoints that disappear.
 """
@@ -53,6 +55,9 @@ AddressResolver = Callable[[str, int], Awaitable[list[str]]]
 SrvResolver = Callable[[str], Awaitable[list[tuple[str, int]]]]
 
 SERVICE_NAME_LABEL = "kubernetes.io/service-name"
+# A watch's events are published once none has come for this long (one change of the
+# endpoint set can take several EndpointSlice updates).
+SETTLE_SECONDS = 0.2
 
 
 class EndpointSource(Protocol):
@@ -164,7 +169,8 @@ async def dnspython_srv_resolver(name: str) -> list[tuple[str, int]]:
 
 
 class DnsSource:
-    """Polls DNS; an empty SRV answer empties the list, a failed lookup keeps the last one
+    """Polls DNS; an empty answer empties the list when the next is empty too (one alone is a
+    blip: records being rewritten), a failed lookup keeps the last one
     (an A/AAAA name without records reads as failed: getaddrinfo does not tell the two
     apart). An SRV target that does not resolve is left out while the others are read: one
     stale target held every other change back."""
@@ -194,7 +200,7 @@ class DnsSource:
                 *(self._resolve(t, p) for t, p in targets), return_exceptions=True
             )
         except (OSError, ValueError) as exc:  # socket.gaierror is an OSError
-            raise DiscoveryError(f"DNS lookup of {name} failed: {exc}") from exc
+            raise DiscoveryError(f"DNS lookup of {name} failed: {exc!r}") from exc
         failed = [
             (t, a) for (t, _), a in zip(targets, answers, strict=True) if isinstance(a, Exception)
         ]
@@ -215,6 +221,7 @@ class DnsSource:
     async def run(self, on_change: OnChange) -> None:
         publisher = _Publisher(on_change, self.config)
         backoff = _Backoff(self.config)
+        held_empty = False
         while True:
             try:
                 addresses = await self.lookup()
@@ -225,7 +232,14 @@ class DnsSource:
                 await backoff.sleep()
                 continue
             backoff.reset()
-            publisher.publish(addresses)
+            if not addresses and publisher.current and not held_empty:
+                # One empty answer is held for one interval (an NXDOMAIN while the records
+                # are rewritten had emptied the set, and every endpoint's index with it).
+                log.warning("%s answered no endpoints; asking again before acting", self)
+                held_empty = True
+            else:
+                held_empty = False
+                publisher.publish(addresses)
             await asyncio.sleep(self.config.interval_seconds)
 
     def __repr__(self) -> str:
@@ -372,17 +386,30 @@ class KubernetesSource:
                 text = (await response.text())[:300]
                 raise DiscoveryError(f"watch endpointslices: HTTP {response.status}: {text}")
             self.watches += 1
-            buffer = b""
-            async for chunk in response.content.iter_any():
+            buffer, unpublished = b"", False
+            while True:
+                # Events that come together are published together: moving a pod from
+                # one slice to another is two events (one slice loses it, the other gains
+                # it), and publishing the first alone dropped its index and load.
+                try:
+                    chunk = await asyncio.wait_for(
+                        response.content.readany(), SETTLE_SECONDS if unpublished else None
+                    )
+                except TimeoutError:
+                    publisher.publish(self.addresses())
+                    unpublished = False
+                    continue
+                if not chunk:
+                    break
                 buffer += chunk
                 *lines, buffer = buffer.split(b"\n")
                 for line in lines:
                     if line.strip():
                         self._apply(orjson.loads(line))
-                publisher.publish(self.addresses())
+                        unpublished = True
             if buffer.strip():
                 self._apply(orjson.loads(buffer))
-                publisher.publish(self.addresses())
+            publisher.publish(self.addresses())
 
     def _apply(self, event: Mapping[str, Any]) -> None:
         kind = event.get("type")

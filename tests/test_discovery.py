@@ -21,6 +21,7 @@ import orjson
 import pytest
 from aiohttp import web
 
+from extproc import discovery
 from extproc.config import DiscoveryConfig, EndpointConfig, RoutingConfig
 from extproc.discovery import (
     DiscoveryError,
@@ -197,7 +198,8 @@ def test_fqdn_slices_and_endpoints_without_addresses_are_skipped() -> None:
 # --------------------------------------------------------------------------- Kubernetes
 
 
-async def test_list_then_watch_events(tmp_path: Path) -> None:
+async def test_list_then_watch_events(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(discovery, "SETTLE_SECONDS", 0.001)  # each event published alone
     async with FakeApiServer([LIST], [EVENTS]) as server:
         source = KubernetesSource(k8s_config(tmp_path, api_url=server.url))
         recorder = Recorder()
@@ -221,6 +223,46 @@ async def test_list_then_watch_events(tmp_path: Path) -> None:
     first_watch = next(q for q in server.requests if "watch" in q)
     assert first_watch["allowWatchBookmarks"] == "true"
     assert int(first_watch["timeoutSeconds"]) == 300
+
+
+@pytest.mark.parametrize("settle", [discovery.SETTLE_SECONDS, 0.001])
+async def test_a_pod_moved_to_another_slice_is_never_published_as_gone(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, settle: float
+) -> None:
+    """The EndpointSlice controller moves a pod from one slice to another with two updates:
+    one slice loses it, then the other gains it. Published apart, the pod was removed for a
+    moment (its index and in-flight count dropped, a new incarnation); events that come
+    together are published together. (Control: published one by one, it is dropped.)"""
+    monkeypatch.setattr(discovery, "SETTLE_SECONDS", settle)
+    (slice_a, _) = copy.deepcopy(LIST["items"])
+    moved = slice_a["endpoints"].pop(0)
+    assert moved["addresses"] == ["10.244.1.5"]
+    lost = {
+        "type": "MODIFIED",
+        "object": {**slice_a, "metadata": {**slice_a["metadata"], "resourceVersion": "48300"}},
+    }
+    slice_b = copy.deepcopy(slice_a)
+    slice_b["metadata"] = {
+        **slice_a["metadata"],
+        "name": "vllm-b",
+        "uid": "b",
+        "resourceVersion": "48301",
+    }
+    slice_b["endpoints"] = [moved]
+    gained = {"type": "ADDED", "object": slice_b}
+    async with FakeApiServer([LIST], [[lost, gained]]) as server:
+        source = KubernetesSource(k8s_config(tmp_path, api_url=server.url))
+        recorder = Recorder()
+        task = await run_source(source, recorder)
+        try:
+            await wait_for(lambda: source.watches >= 2)
+        finally:
+            await stop(task)
+    if settle > 0.001:
+        assert recorder.calls == [INITIAL]
+    else:
+        assert recorder.calls[1] == ["10.244.1.8:8000", "10.244.2.7:8000"]
+        assert recorder.calls[-1] == INITIAL
 
 
 async def test_bookmark_moves_the_resource_version(tmp_path: Path) -> None:
@@ -398,6 +440,25 @@ async def test_dns_changes_failures_and_dedup() -> None:
     ]
     assert received[0][0].capacity_tokens == 4096
     assert calls[0] == ("vllm.llm.svc.cluster.local", 8000)
+
+
+async def test_one_empty_dns_answer_is_asked_again_before_it_empties_the_set() -> None:
+    """An NXDOMAIN while the records are rewritten read as no endpoints: the set and every
+    endpoint's index were emptied, and requests got 503 for an interval. One empty answer
+    is now held for an interval; two in a row empty the set."""
+    answers = [["10.0.0.1:8000"], [], ["10.0.0.1:8000"], [], []]
+
+    async def resolver(name: str, port: int) -> list[str]:
+        return answers.pop(0) if answers else []
+
+    config = DiscoveryConfig(kind="dns", dns_name="vllm.llm", dns_port=8000, interval_seconds=0.01)
+    received = Recorder()
+    task = asyncio.create_task(DnsSource(config, resolver=resolver).run(received))
+    try:
+        await wait_for(lambda: not answers and received.last == [])
+    finally:
+        await stop(task)
+    assert received.calls == [["10.0.0.1:8000"], []]
 
 
 async def test_dns_srv_records() -> None:
