@@ -12,7 +12,9 @@ Exporter selection: OTEL_TRACES_EXPORTER = otlp | console | none (comma list all
 it is unset, otlp is used only if an OTLP endpoint is configured, otherwise tracing is off
 (no collector, no error spam). OTLP protocol from OTEL_EXPORTER_OTLP[_TRACES]_PROTOCOL
 (grpc default, or http/protobuf); endpoint, headers, sampler (OTEL_TRACES_SAMPLER[_ARG]),
-service name and resource attributes are read by the SDK itself.
+service name and resource attributes are read by the SDK itself. The sampler defaults to
+always_on (not the SDK's parent-based default: a client's traceparent must not decide
+whether a decision is traced); spans still unexported two seconds into the exit are dropped.
 """
 
 from __future__ import annotations
@@ -34,6 +36,8 @@ log = logging.getLogger(__name__)
 TOP_K = 3
 _PROPAGATOR = TraceContextTextMapPropagator()
 SPAN_NAME = "prefix_router.route"
+# Spans not exported this long after the process starts to exit are dropped.
+SHUTDOWN_SECONDS = 2.0
 
 
 def _exporters_from_env(environ: Mapping[str, str]) -> list[str]:
@@ -56,9 +60,21 @@ def tracer_from_env(environ: Mapping[str, str] | None = None) -> trace.Tracer | 
     from opentelemetry.sdk.resources import SERVICE_NAME, Resource
     from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter
+    from opentelemetry.sdk.trace.sampling import ALWAYS_ON
+
+    class _BoundedExitProcessor(BatchSpanProcessor):
+        """The SDK's batch processor, whose flush at exit gives up after SHUTDOWN_SECONDS: with
+        the collector down it retried for ~27 s, past a pod's termination grace period."""
+
+        def shutdown(self) -> None:
+            self._batch_processor.shutdown(timeout_millis=int(SHUTDOWN_SECONDS * 1000))
 
     resource = Resource.create({SERVICE_NAME: environ.get("OTEL_SERVICE_NAME", "prefix-router")})
-    provider = TracerProvider(resource=resource)
+    # Every decision is traced: unless OTEL_TRACES_SAMPLER says otherwise, not the SDK's
+    # parent-based default, under which a client's traceparent flag 00 left no span (and 01
+    # forced one).
+    sampler = None if environ.get("OTEL_TRACES_SAMPLER") else ALWAYS_ON
+    provider = TracerProvider(resource=resource, sampler=sampler)
     for name in names:
         if name == "otlp":
             _check_otlp_protos()
@@ -74,9 +90,9 @@ def tracer_from_env(environ: Mapping[str, str] | None = None) -> trace.Tracer | 
                 from opentelemetry.exporter.otlp.proto.http.trace_exporter import (
                     OTLPSpanExporter,
                 )
-            provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
+            provider.add_span_processor(_BoundedExitProcessor(OTLPSpanExporter()))
         elif name == "console":
-            provider.add_span_processor(BatchSpanProcessor(ConsoleSpanExporter()))
+            provider.add_span_processor(_BoundedExitProcessor(ConsoleSpanExporter()))
         else:
             raise ValueError(f"OTEL_TRACES_EXPORTER: unsupported exporter {name!r}")
     log.info("tracing on: exporters %s", ",".join(names))

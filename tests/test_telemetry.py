@@ -139,3 +139,42 @@ def test_exporter_selection_from_standard_variables():
     assert tracer_from_env({"OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:4317"}) is not None
     with pytest.raises(ValueError, match="OTEL_TRACES_EXPORTER"):
         tracer_from_env({"OTEL_TRACES_EXPORTER": "zipkin"})
+
+
+def test_a_clients_trace_flags_do_not_decide_whether_a_decision_is_traced():
+    """The SDK's default sampler follows the parent: a client's traceparent ending in 00
+    left no span of the decision. Unless OTEL_TRACES_SAMPLER is set, every one is kept."""
+    unsampled = {"traceparent": "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-00"}
+    tracer = DecisionTracer(tracer_from_env({"OTEL_TRACES_EXPORTER": "console"}))
+    span = tracer.start(unsampled)
+    assert span is not None and span.is_recording()
+    assert format(span.get_span_context().trace_id, "032x") == "0af7651916cd43dd8448eb211c80319c"
+    chosen = {"OTEL_TRACES_EXPORTER": "console", "OTEL_TRACES_SAMPLER": "parentbased_always_on"}
+    span = DecisionTracer(tracer_from_env(chosen)).start(unsampled)
+    assert span is not None and not span.is_recording()
+
+
+def test_exit_with_the_collector_down_is_bounded():
+    """With the collector unreachable the SDK's flush at exit retried for ~27 s, past the
+    pod's termination grace; the router's processor gives up after SHUTDOWN_SECONDS."""
+    import subprocess
+    import sys
+    import time
+
+    script = (
+        "from extproc.telemetry import DecisionTracer, tracer_from_env\n"
+        "from extproc.server import Outcome\n"
+        "tracer = DecisionTracer(tracer_from_env())\n"
+        "for _ in range(2000):\n"
+        "    tracer.finish(tracer.start({}), Outcome('pass_through', 'x'), 16)\n"
+    )
+    from pathlib import Path
+
+    env = {
+        "OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:1",
+        "PATH": "/usr/bin:/bin",
+        "PYTHONPATH": str(Path(__file__).resolve().parents[1]),
+    }
+    started = time.monotonic()
+    subprocess.run([sys.executable, "-c", script], env=env, check=True, timeout=60)
+    assert time.monotonic() - started < 15  # (27 s before; ~3 s now)
