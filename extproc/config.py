@@ -91,7 +91,9 @@ class ServerConfig(_Strict):
         description="HTTP admin address: /metrics, /healthz, /readyz, /debug/decisions ('' = off)",
     )
     body_mode: Literal["buffered", "full_duplex_streamed"] = Field(
-        default="buffered", description="must match the Envoy filter's request_body_mode"
+        default="buffered",
+        description="the Envoy filter's request_body_mode, used when Envoy does not announce "
+        "it (protocol_config); keep them identical",
     )
     header_name: str = Field(default=DEFAULT_HEADER, description="decision header (and key)")
     served_header_name: str = Field(
