@@ -61,6 +61,8 @@ SETTLE_SECONDS = 0.2
 
 
 class EndpointSource(Protocol):
+    failures: int  # lookups or watches that failed so far (the metrics count them)
+
     async def run(self, on_change: OnChange) -> None:
         """Call ``on_change(full list)`` on every change until cancelled; never raise."""
         ...
@@ -123,6 +125,7 @@ class _Backoff:
 class StaticSource:
     def __init__(self, endpoints: Sequence[EndpointConfig]) -> None:
         self.endpoints = list(endpoints)
+        self.failures = 0
 
     async def run(self, on_change: OnChange) -> None:
         try:
@@ -187,6 +190,7 @@ class DnsSource:
         self._resolve = resolver or (lambda n, p: getaddrinfo_resolver(n, p, family))
         self._resolve_srv = srv_resolver or dnspython_srv_resolver
         self._unresolved: set[str] = set()  # SRV targets the last lookup left out
+        self.failures = 0
 
     async def lookup(self) -> set[str]:
         name = self.config.dns_name
@@ -228,6 +232,7 @@ class DnsSource:
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
+                self.failures += 1
                 log.warning("%s; keeping the last endpoint list", exc)
                 await backoff.sleep()
                 continue
@@ -327,6 +332,7 @@ class KubernetesSource:
         self.resource_version = ""
         self.lists = 0  # how many times we (re)listed, for logs and tests
         self.watches = 0
+        self.failures = 0
 
     # -- HTTP ---------------------------------------------------------------------------
     @property
@@ -460,6 +466,7 @@ class KubernetesSource:
                     log.info("%s; listing endpointslices again", exc)
                     need_list = True
                 except Exception as exc:
+                    self.failures += 1
                     log.warning(
                         "endpointslices of %s/%s: %s; retrying in ~%.1fs",
                         self.namespace,

@@ -126,6 +126,11 @@ class RouterMetrics:
         )
         self._own_exported: set[str] = set()
         self._endpoints_exported: set[str] = set()
+        self.discovery_failures = counter(
+            "prefix_router_discovery_failures",
+            "Endpoint lookups (DNS) or EndpointSlice lists/watches that failed; the last "
+            "endpoint list stays in force meanwhile",
+        )
         self.peer_placements = counter(
             "prefix_router_peer_placements",
             "Placements read from peer router replicas into this one's index (peers config)",

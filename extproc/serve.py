@@ -43,7 +43,7 @@ from .config import (
     parse_assignments,
     parse_host_port,
 )
-from .discovery import source_from_config
+from .discovery import EndpointSource, source_from_config
 from .endpoints import HealthChecker
 from .metrics import MULTIPROC_ENV, RouterMetrics
 from .peers import PeerReader
@@ -157,6 +157,8 @@ class RouterService:
         self.admin_port = 0
         self._refresher: asyncio.Task[None] | None = None
         self._discovery: asyncio.Task[None] | None = None
+        self._discovery_source: EndpointSource | None = None
+        self._discovery_failures_seen = 0
         self._background: set[asyncio.Task[None]] = set()
         self._ready = False
         self._stopping = False
@@ -250,6 +252,7 @@ class RouterService:
             self.cache_events.start()
         if self.config.discovery.kind != "static":
             source = source_from_config(self.config.discovery, self.config.endpoints)
+            self._discovery_source = source
             self._discovery = asyncio.create_task(source.run(self._on_endpoints), name="discovery")
         self._refresher = asyncio.create_task(self._refresh_gauges(), name="gauges")
         return self.port
@@ -264,8 +267,17 @@ class RouterService:
 
     async def _refresh_gauges(self) -> None:
         while True:
-            self.metrics.refresh(self.router)
-            self._forward_placements()
+            try:
+                self.metrics.refresh(self.router)
+                self._forward_placements()
+                source = self._discovery_source
+                if source is not None and source.failures > self._discovery_failures_seen:
+                    self.metrics.discovery_failures.inc(
+                        source.failures - self._discovery_failures_seen
+                    )
+                    self._discovery_failures_seen = source.failures
+            except Exception:  # (a fault here must not freeze every gauge, silently)
+                log.exception("refreshing the gauges failed")
             await asyncio.sleep(1.0)
 
     async def _set_serving(self, ready: bool) -> None:

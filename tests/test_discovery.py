@@ -567,3 +567,40 @@ def test_config_from_env() -> None:
     )
     assert cfg.discovery.port == 8000 and cfg.discovery.namespace is None
     assert load_config(environ={}).discovery.kind == "static"
+
+
+async def test_discovery_failures_are_counted_in_the_metrics(tmp_path: Path) -> None:
+    """A source that keeps failing keeps the last list and said so only in the log; the
+    failures are counted (prefix_router_discovery_failures_total) for an alert."""
+    from extproc.config import load_config
+    from extproc.serve import RouterService
+    from extproc.stack import free_port
+
+    token = tmp_path / "token"
+    token.write_text("t\n")
+    config = load_config(
+        overrides={
+            "server.listen": "127.0.0.1:0",
+            "server.admin_listen": "",
+            "health.enabled": False,
+            "signals.enabled": False,
+            "discovery.kind": "kubernetes",
+            "discovery.namespace": "llm",
+            "discovery.service": "vllm",
+            "discovery.port": "http",
+            "discovery.api_url": f"http://127.0.0.1:{free_port()}",  # nothing listens
+            "discovery.token_file": str(token),
+            "discovery.ca_file": str(tmp_path / "no-ca.crt"),
+            "discovery.backoff_initial_seconds": 0.01,
+            "discovery.backoff_max_seconds": 0.05,
+        },
+        environ={},
+    )
+    service = RouterService(config)
+    counted = service.metrics.discovery_failures
+    before = counted._value.get()
+    await service.start()
+    try:
+        await wait_for(lambda: counted._value.get() - before >= 2, timeout=10)
+    finally:
+        await service.stop(0)
