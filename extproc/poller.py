@@ -1,7 +1,7 @@
 """Poll every endpoint over HTTP on a timer, in one background task.
 
 The health probes and the metrics scraper share this loop: one aiohttp session, all
-endpoints polled concurrently each round, results recorded in order. A poll never raises
+endpoints polled concurrently each round, each result recorded as it arrives. A poll never raises
 (subclasses turn failures into results), and routing never waits for one.
 """
 
@@ -92,17 +92,21 @@ class EndpointPoller(Generic[Result]):
                 await asyncio.sleep(self.interval)
 
     async def poll_all(self, session: aiohttp.ClientSession) -> None:
+        """One round: every endpoint polled at once, each answer recorded as it comes (an
+        endpoint that hangs until the timeout holds back no other's)."""
         addresses = self._addresses()
-        results = await asyncio.gather(*(self.poll(session, a) for a in addresses))
-        for address, result in zip(addresses, results, strict=True):
-            try:
-                self.record(address, result)
-            except Exception:
-                # A fault in what a result feeds (an answer nobody foresaw) must not end the
-                # polling of every endpoint, silently.
-                log.exception("%s: recording %s's answer failed", self.task_name, address)
+        await asyncio.gather(*(self._poll_and_record(session, a) for a in addresses))
         self.forget(self._polled - set(addresses))
         self._polled = set(addresses)
+
+    async def _poll_and_record(self, session: aiohttp.ClientSession, address: str) -> None:
+        result = await self.poll(session, address)
+        try:
+            self.record(address, result)
+        except Exception:
+            # A fault in what a result feeds (an answer nobody foresaw) must not end the
+            # polling of every endpoint, silently.
+            log.exception("%s: recording %s's answer failed", self.task_name, address)
 
     def forget(self, gone: set[str]) -> None:
         """Addresses no longer polled: what is kept per address goes (pod churn)."""

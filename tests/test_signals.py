@@ -245,3 +245,38 @@ async def test_more_than_a_hundred_slow_endpoints_are_all_scraped_in_time():
     finally:
         await scraper.stop()
         await runner.cleanup()
+
+
+async def test_an_endpoint_slow_to_answer_holds_back_no_others_reading():
+    """Each answer is recorded as it comes: the results used to wait for the round's slowest
+    endpoint (up to the timeout), so one hung server made every other's load a second old."""
+    from aiohttp import web
+
+    async def slow(_: web.Request) -> web.Response:
+        await asyncio.sleep(0.8)
+        return web.Response(text=VLLM_TEXT)
+
+    async def fast(_: web.Request) -> web.Response:
+        return web.Response(text=VLLM_TEXT)
+
+    runners, addresses = [], []
+    for handler in (slow, fast):
+        app = web.Application()
+        app.router.add_get("/metrics", handler)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        runners.append(runner)
+        addresses.append(f"127.0.0.1:{site._server.sockets[0].getsockname()[1]}")
+    loop = asyncio.get_running_loop()
+    when: dict[str, float] = {}
+    scraper = MetricsScraper(lambda: addresses, lambda a, _: when.setdefault(a, loop.time()))
+    try:
+        async with aiohttp.ClientSession() as session:
+            await scraper.poll_all(session)
+        slow_address, fast_address = addresses
+        assert when[fast_address] + 0.3 < when[slow_address]
+    finally:
+        for runner in runners:
+            await runner.cleanup()
