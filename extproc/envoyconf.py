@@ -223,11 +223,14 @@ def _typed(type_name: str, body: dict[str, Any] | None = None, **fields: Any) ->
     return {"@type": f"type.googleapis.com/{type_name}", **(body or {}), **fields}
 
 
-def _http2_protocol_options() -> dict[str, Any]:
+def _http2_protocol_options(max_concurrent_streams: int | None = None) -> dict[str, Any]:
+    http2: dict[str, Any] = {}
+    if max_concurrent_streams:
+        http2["max_concurrent_streams"] = max_concurrent_streams
     return {
         "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": _typed(
             "envoy.extensions.upstreams.http.v3.HttpProtocolOptions",
-            explicit_http_config={"http2_protocol_options": {}},
+            explicit_http_config={"http2_protocol_options": http2},
         )
     }
 
@@ -391,6 +394,11 @@ def _picked_cluster(options: EnvoyOptions) -> dict[str, Any]:
 
 
 EXT_PROC_HEALTH_SERVICE = "envoy.service.ext_proc.v3.ExternalProcessor"
+# ext_proc streams one HTTP/2 connection to the router carries (one per request, open until
+# it ends): more open more connections, which is what SO_REUSEPORT spreads over a router's
+# `--workers`. Without a limit every stream of an Envoy thread shared one connection, and
+# one worker got all of them.
+ROUTER_STREAMS_PER_CONNECTION = 8
 OTEL_CLUSTER = "otel_collector"
 UPSTREAM_FAILURE_HEADER = "x-prefix-router-upstream-failure"
 
@@ -426,7 +434,7 @@ def _router_cluster(options: EnvoyOptions) -> dict[str, Any]:
         "name": ROUTER_CLUSTER,
         "type": "STATIC",
         "connect_timeout": "0.25s",
-        "typed_extension_protocol_options": _http2_protocol_options(),
+        "typed_extension_protocol_options": _http2_protocol_options(ROUTER_STREAMS_PER_CONNECTION),
         # One gRPC stream per HTTP request, open until the response ends: the default circuit
         # breaker (1024 requests) would silently fail requests open beyond 1024 in flight.
         "circuit_breakers": _circuit_breakers(100_000, 3),

@@ -12,6 +12,7 @@ import argparse
 import asyncio
 import contextlib
 import gc
+import glob
 import logging
 import multiprocessing
 import os
@@ -357,6 +358,11 @@ async def serve_until_signalled(
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    parent = multiprocessing.parent_process()
+    if parent is not None:
+        # A worker whose supervisor died (SIGKILL, OOM) drains and exits like on SIGTERM: it
+        # kept serving the port, an orphan nothing would stop.
+        loop.add_reader(parent.sentinel, stop.set)
     await stop.wait()
     log.info(
         "pid %d draining (not ready now; %d requests in flight; up to %.1fs)",
@@ -368,48 +374,83 @@ async def serve_until_signalled(
     log.info("pid %d drained, exiting", os.getpid())
 
 
-def _worker_main(
-    config_data: dict[str, Any], log_level: str, decisions: Any, placements: Any
-) -> None:
+# What a worker hands its supervisor, at most this many messages behind (then dropped).
+WORKER_BACKLOG = 4096
+# Workers that die within this long of their start, more than 3 per worker within
+# FAILURE_WINDOW_SECONDS, make the supervisor give up.
+QUICK_FAILURE_SECONDS = 5.0
+FAILURE_WINDOW_SECONDS = 300.0
+
+
+class _ToSupervisor:
+    """A worker's one-way pipe to its supervisor, written by a thread of its own: the event
+    loop only appends to a bounded queue (a message dropped when the supervisor lags), and
+    nothing waits on the pipe at exit (a multiprocessing.Queue's feeder did: a worker
+    finishing with the pipe full waited for a supervisor that was waiting for it)."""
+
+    def __init__(self, connection: Any) -> None:
+        self._connection = connection
+        self._backlog: queue.Queue[tuple[str, Any]] = queue.Queue(WORKER_BACKLOG)
+        threading.Thread(target=self._send, name="to-supervisor", daemon=True).start()
+
+    def put(self, kind: str, item: Any) -> None:
+        with contextlib.suppress(queue.Full):
+            self._backlog.put_nowait((kind, item))
+
+    def _send(self) -> None:
+        with contextlib.suppress(OSError, ValueError):
+            while True:
+                self._connection.send(self._backlog.get())
+
+
+def _worker_main(config_data: dict[str, Any], log_level: str, connection: Any) -> None:
     _setup_logging(log_level)
-
-    def sink(record: dict[str, Any]) -> None:
-        with contextlib.suppress(queue.Full):
-            decisions.put_nowait(record)  # dropped, never blocking, when the admin lags
-
-    def placement_sink(batch: list[Placement]) -> None:
-        with contextlib.suppress(queue.Full):
-            placements.put_nowait(batch)  # likewise: peers then miss one second of them
-
+    to_supervisor = _ToSupervisor(connection)
     config = Config.model_validate(config_data)
     asyncio.run(
-        serve_until_signalled(config, sink, serve_admin=False, placement_sink=placement_sink)
+        serve_until_signalled(
+            config,
+            lambda record: to_supervisor.put("decision", record),
+            serve_admin=False,
+            placement_sink=lambda batch: to_supervisor.put("placements", batch),
+        )
     )
 
 
 class _Supervisor:
-    """Runs N workers on one port, the shared admin endpoint, and restarts dead workers."""
+    """Runs N workers on one port, the shared admin endpoint, and restarts dead workers.
+
+    Each worker has a pipe of its own to the supervisor, read by a thread of its own: a
+    worker killed in the middle of a message ends only its own pipe (all workers shared
+    one queue, whose lock and half-written message a killed writer left behind: every
+    reader then waited for good)."""
 
     def __init__(self, config: Config, log_level: str) -> None:
         self.config = config
         self.log_level = log_level
         self.ctx = multiprocessing.get_context("spawn")
         self.data = config.model_dump(mode="json")
-        self.decision_queue = self.ctx.Queue(maxsize=4096)
         self.decisions = DecisionLog(config.server.decisions_kept)
         # Every worker's placements (one batch a second each), served to peer routers.
-        self.placement_queue = self.ctx.Queue(maxsize=64)
         self.placements = PlacementLog(hash_scheme(config.routing.block_size_bytes))
+        self.received: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
         self.stopping = False
         self.workers: list[multiprocessing.process.BaseProcess] = []
 
     def spawn(self) -> multiprocessing.process.BaseProcess:
-        process = self.ctx.Process(
-            target=_worker_main,
-            args=(self.data, self.log_level, self.decision_queue, self.placement_queue),
-        )
+        reader, writer = self.ctx.Pipe(duplex=False)
+        process = self.ctx.Process(target=_worker_main, args=(self.data, self.log_level, writer))
         process.start()
+        writer.close()  # the worker's copy is the only one: its death ends the pipe
+        threading.Thread(
+            target=self._read, args=(reader,), name=f"from-worker-{process.pid}", daemon=True
+        ).start()
         return process
+
+    def _read(self, reader: Any) -> None:
+        with contextlib.closing(reader), contextlib.suppress(EOFError, OSError):
+            while True:
+                self.received.put(reader.recv())
 
     def ready(self) -> bool:
         alive = any(p.is_alive() for p in self.workers)
@@ -435,42 +476,53 @@ class _Supervisor:
 
     def _drain_decisions(self) -> None:
         with contextlib.suppress(queue.Empty):
-            for _ in range(10_000):
-                self.decisions.add(self.decision_queue.get_nowait())
-        with contextlib.suppress(queue.Empty):
-            for _ in range(64):
-                for placement in self.placement_queue.get_nowait():
-                    self.placements.add(placement)
+            for _ in range(100_000):
+                kind, item = self.received.get_nowait()
+                if kind == "decision":
+                    self.decisions.add(item)
+                else:
+                    for placement in item:
+                        self.placements.add(placement)
 
     def run(self) -> int:
-        self.workers = [self.spawn() for _ in range(self.config.server.workers)]
-        started = [time.monotonic()] * len(self.workers)
         signal.signal(signal.SIGTERM, self.on_signal)
         signal.signal(signal.SIGINT, self.on_signal)
+        self.workers = [self.spawn() for _ in range(self.config.server.workers)]
+        started = [time.monotonic()] * len(self.workers)
         if self.config.server.admin_listen:
             threading.Thread(target=self._admin_thread, name="admin", daemon=True).start()
-        quick_failures = 0
+        quick_failures: list[float] = []
         while True:
             time.sleep(0.1)
             self._drain_decisions()
             if self.stopping:
-                for p in self.workers:
-                    p.join()
-                return 0
+                return self._wait_for_workers(0)
             for i, p in enumerate(self.workers):
                 if p.is_alive():
                     continue
                 mark_process_dead(p.pid)
-                if time.monotonic() - started[i] < 5:
-                    quick_failures += 1
-                if quick_failures > 3 * self.config.server.workers:
+                now = time.monotonic()
+                if now - started[i] < QUICK_FAILURE_SECONDS:
+                    quick_failures.append(now)
+                quick_failures = [t for t in quick_failures if now - t < FAILURE_WINDOW_SECONDS]
+                if len(quick_failures) > 3 * self.config.server.workers:
                     log.error("workers keep failing at start-up; giving up")
                     self.on_signal(signal.SIGTERM, None)
-                    for q in self.workers:
-                        q.join()
-                    return 1
+                    return self._wait_for_workers(1)
                 log.warning("worker pid %s exited with %s; restarting", p.pid, p.exitcode)
                 self.workers[i], started[i] = self.spawn(), time.monotonic()
+
+    def _wait_for_workers(self, code: int) -> int:
+        """Until every worker has drained and exited, its messages still read. (Each is told
+        again: one respawned while the signal came was not in the list it went through.)"""
+        self.on_signal(signal.SIGTERM, None)
+        while any(p.is_alive() for p in self.workers):
+            self._drain_decisions()
+            time.sleep(0.1)
+        for p in self.workers:
+            p.join()
+            mark_process_dead(p.pid)  # (an operator's metrics directory outlives this run)
+        return code
 
 
 def siblings_as_peers(config: Config) -> Config:
@@ -499,6 +551,12 @@ def run_workers(config: Config, log_level: str) -> int:
     if not os.environ.get(MULTIPROC_ENV):
         own_dir = tempfile.mkdtemp(prefix="prefix-router-metrics-")
         os.environ[MULTIPROC_ENV] = own_dir  # inherited by the spawned workers
+    else:
+        # An operator's directory: what an earlier run left there would be exported (and read
+        # by the workers as peers) for good; prometheus_client says to empty it at start.
+        for stale in glob.glob(os.path.join(os.environ[MULTIPROC_ENV], "*.db")):
+            with contextlib.suppress(OSError):
+                os.remove(stale)
     try:
         return _Supervisor(config, log_level).run()
     finally:

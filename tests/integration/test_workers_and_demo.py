@@ -2,17 +2,24 @@
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import json
+import os
 import re
+import signal
 import subprocess
 import sys
+import threading
 import time
+import urllib.request
+from pathlib import Path
 
 import pytest
 
 from extproc.stack import Stack
 
-from .conftest import chat_body, start_routed_stack
+from .conftest import chat_body, request, start_routed_stack
 
 pytestmark = [pytest.mark.envoy]
 FAST = ["--prefill-ms-per-token", "0.0001", "--decode-ms-per-token", "0.1"]
@@ -85,3 +92,196 @@ def test_demo_runs_and_prefix_routing_beats_round_robin(tmp_path):
             "replica_share",
         }
     assert runs["prefix"]["hit_ratio"] > runs["round_robin"]["hit_ratio"] + 0.1
+
+
+def _worker_pids(supervisor: int) -> list[int]:
+    """The supervisor's worker processes (not multiprocessing's resource tracker)."""
+    out = subprocess.run(["pgrep", "-P", str(supervisor)], capture_output=True, text=True)
+    pids = []
+    for pid in map(int, out.stdout.split()):
+        with contextlib.suppress(OSError):
+            if "resource_tracker" not in Path(f"/proc/{pid}/cmdline").read_text():
+                pids.append(pid)
+    return pids
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return False
+    return "\nState:\tZ" not in state
+
+
+def _keep_sending(routed, stop: threading.Event, statuses: list[int], i: int) -> None:
+    n = 0
+    while not stop.is_set():
+        n += 1
+        statuses.append(routed.send(chat_body(f"load {i} {n} " * 40)).status)
+
+
+def test_workers_drain_and_exit_on_sigterm_under_load(tmp_path):
+    """SIGTERM while Envoy keeps sending: the workers drain and exit and so does the
+    supervisor. Each worker used to wait at exit for its queue to the supervisor to flush,
+    while the supervisor, no longer reading it, waited for the worker: it hung until
+    SIGKILL (every pod stop under load took the whole termination grace period)."""
+    with Stack(workdir=tmp_path) as stack:
+        members = stack.start_replicas(2, FAST)
+        routed = start_routed_stack(stack, "override-host", "buffered", members, ["--workers", "2"])
+        stop, statuses = threading.Event(), []
+        senders = [
+            threading.Thread(target=_keep_sending, args=(routed, stop, statuses, i), daemon=True)
+            for i in range(8)
+        ]
+        for sender in senders:
+            sender.start()
+        time.sleep(2)
+        routed.router.signal(signal.SIGTERM)
+        signalled = time.monotonic()
+        time.sleep(3)  # traffic goes on through the drain
+        stop.set()
+        for sender in senders:
+            sender.join(30)
+        assert routed.router.process is not None
+        routed.router.process.wait(20)  # (the drain's grace is 10 s)
+        assert time.monotonic() - signalled < 20
+        assert statuses and set(statuses) == {200}, collections.Counter(statuses)
+
+
+def test_workers_whose_supervisor_is_killed_drain_and_exit(tmp_path):
+    """The supervisor killed (SIGKILL, OOM): its workers used to keep serving the port as
+    orphans that nothing would stop (SIGTERM then hung them). They watch their parent and
+    drain as on SIGTERM; requests meanwhile are served (failed open once they stop)."""
+    with Stack(workdir=tmp_path) as stack:
+        members = stack.start_replicas(2, FAST)
+        routed = start_routed_stack(stack, "override-host", "buffered", members, ["--workers", "2"])
+        assert routed.router.process is not None
+        supervisor = routed.router.process.pid
+        deadline = time.monotonic() + 20
+        workers: list[int] = []
+        while len(workers) < 2 and time.monotonic() < deadline:
+            workers = _worker_pids(supervisor)
+            time.sleep(0.1)
+        assert len(workers) == 2
+        assert routed.send(chat_body("before " * 40)).status == 200
+        routed.router.signal(signal.SIGKILL)
+        deadline = time.monotonic() + 20
+        while any(_alive(w) for w in workers) and time.monotonic() < deadline:
+            assert routed.send(chat_body("meanwhile " * 40)).status == 200
+            time.sleep(0.1)
+        assert not any(_alive(w) for w in workers)
+        assert routed.send(chat_body("after " * 40)).status == 200  # failed open
+
+
+def test_a_worker_killed_halfway_through_a_message_stops_nothing_else(tmp_path):
+    """A worker killed while it writes the supervisor a placement batch larger than the
+    pipe (12 prompts of 100 KB: ~150 KiB of hashes): with one queue shared by all workers,
+    the supervisor then waited for the rest of that message for good (no restarts, no
+    records from the other workers, SIGTERM hung). The supervisor is stopped for 1.5 s only
+    to hold the worker in the middle of its message."""
+    from prometheus_client.mmap_dict import MmapedDict
+
+    metrics = tmp_path / "metrics"
+    metrics.mkdir()
+    with Stack(workdir=tmp_path) as stack:
+        members = stack.start_replicas(2, FAST)
+        address, router = stack.start_router(
+            members, workers=2, env={"PROMETHEUS_MULTIPROC_DIR": str(metrics)}, ready=True
+        )
+        port, _ = stack.start_proxy("override-host", members, address)
+        assert router.process is not None
+        supervisor = router.process.pid
+        admin = stack.router_admin_ports["router"]
+        workers = _worker_pids(supervisor)
+        assert len(workers) == 2
+        assert request(port, chat_body("warm up")).status == 200
+
+        def requests_of(pid: int) -> float:
+            path = metrics / f"counter_{pid}.db"
+            if not path.exists():
+                return 0.0
+            return sum(
+                value
+                for key, value, *_ in MmapedDict.read_all_values_from_file(str(path))
+                if '"prefix_router_requests_total"' in key
+            )
+
+        busy = max(workers, key=requests_of)  # (Envoy holds one connection: one worker)
+        os.kill(supervisor, signal.SIGSTOP)
+        try:
+            for i in range(12):
+                long_prompt = f"long prompt {i} " + "lorem ipsum dolor sit amet " * 4000
+                assert request(port, chat_body(long_prompt)).status == 200
+            time.sleep(1.5)  # the worker's batch of the second: more than the pipe holds
+            os.kill(busy, signal.SIGKILL)
+        finally:
+            os.kill(supervisor, signal.SIGCONT)
+        deadline = time.monotonic() + 20
+        while len([w for w in _worker_pids(supervisor) if w != busy]) < 2:
+            assert time.monotonic() < deadline, "the killed worker was not replaced"
+            time.sleep(0.1)
+        for i in range(20):
+            assert request(port, chat_body(f"later {i} " * 30)).status == 200
+        time.sleep(1.0)
+        assert _newest_decision_age(admin) < 2.0
+        router.signal(signal.SIGTERM)
+        router.process.wait(15)
+
+
+def _newest_decision_age(admin_port: int) -> float:
+    with urllib.request.urlopen(
+        f"http://127.0.0.1:{admin_port}/debug/decisions?limit=1", timeout=5
+    ) as response:
+        (record,) = json.loads(response.read())["decisions"]
+    return time.time() - record["time"]
+
+
+STALE_GAUGE = """
+from prometheus_client import CollectorRegistry, Gauge
+Gauge("prefix_router_peers", "x", registry=CollectorRegistry(), multiprocess_mode="liveall").set(3)
+"""
+
+
+def test_an_operators_metrics_directory_is_emptied_at_start(tmp_path):
+    """With PROMETHEUS_MULTIPROC_DIR set by the operator (kept across runs), what an earlier
+    run left there was exported for good, and read by the workers as their peers' figures;
+    the supervisor empties it at start, as prometheus_client asks."""
+    metrics = tmp_path / "metrics"
+    metrics.mkdir()
+    env = {"PROMETHEUS_MULTIPROC_DIR": str(metrics)}
+    subprocess.run([sys.executable, "-c", STALE_GAUGE], env={**os.environ, **env}, check=True)
+    (stale,) = metrics.glob("gauge_liveall_*.db")
+    with Stack(workdir=tmp_path) as stack:
+        members = stack.start_replicas(1, FAST)
+        stack.start_router(members, workers=2, env=env, ready=True)
+        admin = stack.router_admin_ports["router"]
+        with urllib.request.urlopen(f"http://127.0.0.1:{admin}/metrics", timeout=5) as page:
+            text = page.read().decode()
+    assert not stale.exists()
+    stale_pid = stale.stem.rsplit("_", 1)[1]
+    assert f'pid="{stale_pid}"' not in text and "prefix_router_peers{" in text
+
+
+def test_envoy_opens_more_connections_to_the_router_under_concurrency(tmp_path):
+    """SO_REUSEPORT spreads connections over the workers, not streams, and Envoy sent every
+    ext_proc stream over one HTTP/2 connection per worker thread: behind an Envoy with one
+    thread, one of three workers got all 600 requests. The generated config lets a
+    connection carry ROUTER_STREAMS_PER_CONNECTION streams, so concurrent requests open more
+    connections for the kernel to spread (which worker each lands on is its hash's choice)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from extproc.envoyconf import ROUTER_CLUSTER
+
+    with Stack(workdir=tmp_path) as stack:
+        members = stack.start_replicas(2, FAST)
+        address, _ = stack.start_router(members, workers=3, ready=True)
+        port, _ = stack.start_proxy("override-host", members, address, name="envoy")
+        with ThreadPoolExecutor(32) as pool:
+            bodies = [chat_body(f"spread {i} " * 40) for i in range(600)]
+            statuses = list(pool.map(lambda body: request(port, body).status, bodies))
+        admin = stack.envoy_admin_ports["envoy"]
+        url = f"http://127.0.0.1:{admin}/stats?filter=^cluster.{ROUTER_CLUSTER}.upstream_cx_total$"
+        with urllib.request.urlopen(url, timeout=5) as page:
+            connections = int(page.read().decode().split(":")[1])
+    assert set(statuses) == {200}
+    assert connections >= 3, connections  # (one for the health check, before: 2 in all)
