@@ -174,7 +174,9 @@ def add_grid_arguments(grid: argparse.ArgumentParser) -> None:
     _add_cache_outputs_argument(grid)
     _add_kv_events_argument(grid)
     grid.add_argument(
-        "--peers-from", help="reuse the peers' results from this grid JSON (simulate ours only)"
+        "--peers-from",
+        help="reuse the peers' results from this grid JSON: simulate ours only, or ours and "
+        "the peers --policies names (their figures replace the file's)",
     )
     grid.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="worker processes")
     grid.add_argument("--json", dest="json_out", help="write results as JSON here")
@@ -304,7 +306,8 @@ def grid_command(args: argparse.Namespace) -> int:
     peers: dict[sim_grid.Cell, dict[str, dict[str, Any]]] = {}
     if args.peers_from:
         peers = sim_grid.load_peers(args.peers_from, seeds, args.kv_pool, args.cache_outputs)
-        names = [sim_grid.OURS]
+        rerun = [] if args.policies.strip() == "all" else [n for n in names if n != sim_grid.OURS]
+        names = [sim_grid.OURS, *rerun]
     todo = sim_grid.cells(workloads, replicas, ks)
     runs = sum(1 for c in todo for p in names if p == sim_grid.OURS or c.router_replicas == 1)
     bar = tqdm(total=runs * len(seeds), unit="run", file=sys.stderr, disable=None)

@@ -922,3 +922,41 @@ def test_cli_kv_events_reach_ours_and_are_recorded(tmp_path, capsys) -> None:
     for bad in (["--kv-events", "-1"], ["--kv-events", "5", "--kv-pool", "split"]):
         with pytest.raises(SystemExit, match="--kv-events"):
             run(*bad)
+
+
+def test_dynamo_counts_prefill_work_until_the_first_token_and_shared_blocks_once() -> None:
+    """Dynamo's cost (selector.rs): (the worker's tokens still in prefill + this request's
+    uncached ones) / block + its active blocks with this request's added, each block once.
+    (1) Of two workers as busy in blocks, the one whose request is still in prefill is
+    avoided. (2) A request sharing a finished-prefill request's 1,000-token prefix goes
+    where it is (its blocks counted twice made that worker look as busy as a cold one).
+    Both were ties, broken at random, in the earlier reading: checked over 20 draws."""
+    a = SimRequest(0, 0.0, 63 * 16, 4, tuple(range(1, 64)), 16, 16)
+    other = SimRequest(1, 0.0, 63 * 16, 4, tuple(range(100, 163)), 16, 16)
+    small = SimRequest(2, 0.0, 10 * 16, 4, tuple(range(200, 210)), 16, 16)
+    sharing = SimRequest(3, 0.0, 64 * 16, 4, (*range(1, 64), 99), 16, 16)
+    for seed in range(20):
+        ctx = PolicyContext(
+            [Replica(i, 100_000, CostModel()) for i in range(2)], random.Random(seed), 100_000
+        )
+        dynamo = make_policy("dynamo", ctx, 1, 16)
+        decoding, handle = dynamo.route(a, 0.0)
+        dynamo.prefill_done(handle)
+        prefilling, _ = dynamo.route(other, 0.0)
+        assert prefilling != decoding
+        assert dynamo.route(small, 0.0)[0] == decoding
+        dynamo = make_policy("dynamo", ctx, 1, 16)
+        home, handle = dynamo.route(a, 0.0)
+        dynamo.prefill_done(handle)
+        assert dynamo.route(sharing, 0.0)[0] == home
+
+
+def test_gaies_prefix_index_is_as_large_as_each_servers_cache() -> None:
+    """The prefix plugin sizes each server's LRU from its KV cache (AutoTune, upstream's
+    default), not the fixed 31,250 blocks of the earlier default."""
+    for capacity in (50_000, 4_000_000):
+        ctx = PolicyContext(
+            [Replica(i, capacity, CostModel()) for i in range(2)], random.Random(0), capacity
+        )
+        gaie = make_policy("gaie", ctx, 1, 16).instances[0]
+        assert {lru.capacity for lru in gaie.index} == {capacity // 16}

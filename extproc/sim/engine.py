@@ -180,10 +180,12 @@ def simulate(
             if progress is not None and arrived % 256 == 0:
                 progress(256)
         elif kind == PREFILL_DONE:
-            # No signal to the router: a streamed response's headers came at admission and
-            # a non-streamed one's come at the end (server.py, Router.prefill_done).
+            # No signal to ours: a streamed response's headers came at admission and a
+            # non-streamed one's come at the end (server.py, Router.prefill_done). A peer
+            # that counts prefill work until the first token streams by (Dynamo) hears it.
             if not records[request.rid].ttft_ms:  # a recomputation's end is not a first token
                 records[request.rid].ttft_ms = now - request.arrival_s * 1000.0
+                router.prefill_done(handles[request.rid])  # (a peer that streams: Dynamo)
             if replica.preempts:
                 replica.end_prefill(request, now)
                 decode(replica, request, now)

@@ -152,9 +152,13 @@ class GaiePolicy:
 
     Weighted sum of scorers, each in [0, 1], max-score pick (random ties):
     prefix-cache ×3 (consecutive matched 64-char blocks / total blocks, at most 256 blocks,
-    per-endpoint LRU of 31,250 block hashes, updated for the picked endpoint at send),
+    per-endpoint LRU of block hashes, updated for the picked endpoint at send),
     queue ×2 (min-max normalised waiting requests, 1.0 = shortest, all 1.0 if equal),
     kv-cache-utilization ×2 (1 − KV usage). 64 chars = 16 tokens at 4 chars/token.
+    The LRU holds as many blocks as the server's KV cache (the prefix plugin's AutoTune,
+    on by default upstream: sized from each server's reported GPU blocks); the notes' fixed
+    31,250 blocks (``LRU_BLOCKS``) was the earlier default and what the figures before Dec 5
+    used (docs/benchmarks.md, "Peers made faithful to their current sources").
     """
 
     PREFIX_W, QUEUE_W, KV_W = 3.0, 2.0, 2.0
@@ -162,7 +166,8 @@ class GaiePolicy:
 
     def __init__(self, ctx: PolicyContext) -> None:
         self.ctx = ctx
-        self.index = [ChunkLRU(self.LRU_BLOCKS) for _ in range(ctx.n)]
+        blocks = max(1, ctx.capacity_tokens // self.BLOCK_TOKENS)
+        self.index = [ChunkLRU(blocks) for _ in range(ctx.n)]
 
     def route(self, request: SimRequest, now: float) -> tuple[int, Any]:
         ids, full, last = _truncate(request, self.BLOCK_TOKENS, self.MAX_BLOCKS)
@@ -219,10 +224,16 @@ class SglangCacheAwarePolicy(_Tracked):
 
 
 class DynamoPolicy:
-    """NVIDIA Dynamo KV router, approximate mode (no engine KV events):
-    cost = overlap_weight (1.0) × prompt blocks not cached + active blocks of in-flight
-    requests on that worker; temperature 0 → lowest cost (random ties). The index predicts
-    from the router's own decisions with a 120 s TTL. Blocks are KV blocks of 16 tokens.
+    """NVIDIA Dynamo KV router, approximate mode (no engine KV events), as its source has it
+    (``selector.rs`` ``select_worker``, ``sequence.rs`` ``potential_blocks_and_tokens``):
+    cost = overlap_weight (1.0) × (the worker's tokens still in prefill + this request's
+    tokens not cached there) / block size + the worker's active blocks with this request's
+    added (each block once: requests sharing a prefix share its blocks); temperature 0 →
+    lowest cost (random ties). A request's prefill tokens count until its first token (the
+    router sees it stream by), its blocks until it ends. The index predicts from the
+    router's own decisions with a 120 s TTL. Blocks are KV blocks of 16 tokens. (Before Dec 5
+    the cost was uncached blocks + the sum of in-flight prompt blocks: no prefill term, no
+    sharing; the notes' reading.)
     """
 
     OVERLAP_WEIGHT, TTL_S = 1.0, 120.0
@@ -231,7 +242,10 @@ class DynamoPolicy:
         self.ctx = ctx
         self.block = ctx.kv_block_tokens
         self.seen: list[dict[int, tuple[int, float]]] = [{} for _ in range(ctx.n)]
-        self.active = [0] * ctx.n
+        self.prefill_tokens = [0] * ctx.n
+        # Per worker: chunk id -> [requests holding it, blocks of it held]; and their sum.
+        self.active: list[dict[int, list[int]]] = [{} for _ in range(ctx.n)]
+        self.active_blocks = [0] * ctx.n
 
     def _cached(self, r: int, request: SimRequest, full: int, last: int, now: float) -> int:
         seen, final, total = self.seen[r], len(request.ids) - 1, 0
@@ -245,27 +259,65 @@ class DynamoPolicy:
             total += need
         return total
 
+    def _added_blocks(self, r: int, request: SimRequest, full: int, last: int) -> int:
+        """Blocks this request adds to worker ``r``'s active ones (its shared ones once)."""
+        active, final, added = self.active[r], len(request.ids) - 1, 0
+        for i, chunk in enumerate(request.ids):
+            need = last if i == final else full
+            held = active.get(chunk)
+            added += need - min(need, held[1]) if held else need
+        return added
+
     def route(self, request: SimRequest, now: float) -> tuple[int, Any]:
         full = request.chunk_tokens // self.block
         last = request.last_tokens // self.block
-        blocks = -(-request.input_tokens // self.block)
-        costs = [
-            self.OVERLAP_WEIGHT * (blocks - self._cached(r, request, full, last, now))
-            + self.active[r]
-            for r in range(self.ctx.n)
-        ]
+        costs, new_tokens = [], []
+        for r in range(self.ctx.n):
+            cached = self._cached(r, request, full, last, now) * self.block
+            new = max(0, request.input_tokens - cached)
+            new_tokens.append(new)
+            prefill = (self.prefill_tokens[r] + new) / self.block
+            active = self.active_blocks[r] + self._added_blocks(r, request, full, last)
+            costs.append(self.OVERLAP_WEIGHT * prefill + active)
         chosen = _argbest(costs, self.ctx.rng, highest=False)
         seen, expiry, final = self.seen[chosen], now + self.TTL_S, len(request.ids) - 1
+        active = self.active[chosen]
         for i, chunk in enumerate(request.ids):
             need = last if i == final else full
             held = seen.get(chunk)
             seen[chunk] = (max(need, held[0]) if held else need, expiry)
-        self.active[chosen] += blocks
-        return chosen, (chosen, blocks)
+            entry = active.setdefault(chunk, [0, 0])
+            entry[0] += 1
+            if need > entry[1]:
+                self.active_blocks[chosen] += need - entry[1]
+                entry[1] = need
+        self.prefill_tokens[chosen] += new_tokens[chosen]
+        return chosen, _DynamoRequest(chosen, new_tokens[chosen], request.ids)
 
-    def finish(self, handle: Any) -> None:
-        chosen, blocks = handle
-        self.active[chosen] -= blocks
+    def prefill_done(self, handle: _DynamoRequest) -> None:
+        if not handle.prefilled:
+            handle.prefilled = True
+            self.prefill_tokens[handle.worker] -= handle.new_tokens
+
+    def finish(self, handle: _DynamoRequest) -> None:
+        self.prefill_done(handle)
+        active = self.active[handle.worker]
+        for chunk in handle.chunks:
+            entry = active.get(chunk)
+            if entry is None:
+                continue
+            entry[0] -= 1
+            if entry[0] == 0:
+                self.active_blocks[handle.worker] -= entry[1]
+                del active[chunk]
+
+
+@dataclass(slots=True)
+class _DynamoRequest:
+    worker: int
+    new_tokens: int
+    chunks: Sequence[int]
+    prefilled: bool = False
 
 
 class ProductionStackPolicy:
@@ -548,6 +600,14 @@ class RouterGroup:
     def finish(self, handle: Any) -> None:
         k, inner = handle
         self.instances[k].finish(inner)
+
+    def prefill_done(self, handle: Any) -> None:
+        """The request's first token passed the router (policies that stream responses
+        through themselves and count prefill work until then: Dynamo)."""
+        k, inner = handle
+        done = getattr(self.instances[k], "prefill_done", None)
+        if done is not None:
+            done(inner)
 
     def rules(self) -> dict[str, int]:
         total: dict[str, int] = {}
