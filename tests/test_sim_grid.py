@@ -203,3 +203,22 @@ def test_grid_server_blocks_runs_ours_as_simulate_does(tmp_path) -> None:
         assert from_grid["hit_ratio"] == alone["hit_ratio"]
         assert from_grid["ttft_p99_ms"] == alone["ttft_p99_ms"]
     assert fine["hit_ratio"] < coarse["hit_ratio"] - 0.05
+
+
+def test_grid_re_simulates_the_peers_named_and_copies_the_others(tmp_path) -> None:
+    """``--peers-from FILE --policies ours,sglang``: sglang is simulated again (a peer whose
+    model changed), the other peers come from the file."""
+    first = _grid(tmp_path, "first.json", "--router-replicas", "1")
+    for cell in first["cells"]:  # a file whose peers' figures were made otherwise
+        for name in ("sglang", "round-robin"):
+            cell["policies"][name] = {**cell["policies"][name], "hit_ratio": -1.0}
+    (tmp_path / "doctored.json").write_text(json.dumps(first))
+    peers = ["--peers-from", str(tmp_path / "doctored.json"), "--router-replicas", "1"]
+    copied = _grid(tmp_path, "copied.json", *peers, "--policies", "ours")
+    rerun = _grid(tmp_path, "rerun.json", *peers, "--policies", "ours,sglang")
+    for cell in copied["cells"]:
+        assert cell["policies"]["sglang"]["hit_ratio"] == -1.0
+        assert cell["policies"]["round-robin"]["hit_ratio"] == -1.0
+    for cell in rerun["cells"]:
+        assert cell["policies"]["sglang"]["hit_ratio"] >= 0.0
+        assert cell["policies"]["round-robin"]["hit_ratio"] == -1.0
