@@ -6,6 +6,7 @@ import asyncio
 
 import aiohttp
 import pytest
+from aiohttp import web
 
 from extproc.config import HealthCheckConfig
 from extproc.endpoints import HealthChecker
@@ -103,6 +104,17 @@ def test_prefill_window_is_each_scrapes_increase_reported_once():
     assert scrape(prefills=41, prefill_seconds=9.5, prefill_tokens=20100, started=2.0)
 
 
+async def _metrics_server(handler) -> tuple[web.AppRunner, str]:
+    """A /metrics page served on 127.0.0.1 by ``handler``: (its runner, its address)."""
+    app = web.Application()
+    app.router.add_get("/metrics", handler)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    return runner, f"127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+
+
 async def test_scraper_reads_a_live_replica_and_marks_a_dead_one_down():
     runner, port = await start_replica(ReplicaSettings(name="r", port=0))
     try:
@@ -176,7 +188,6 @@ def test_figures_no_server_means_are_not_read():
 async def test_a_page_too_large_reads_as_down_and_a_fault_recording_it_ends_nothing(
     monkeypatch: pytest.MonkeyPatch,
 ):
-    from aiohttp import web
 
     from extproc import poller
 
@@ -185,13 +196,7 @@ async def test_a_page_too_large_reads_as_down_and_a_fault_recording_it_ends_noth
     async def metrics(_: web.Request) -> web.Response:
         return web.Response(text=page)
 
-    app = web.Application()
-    app.router.add_get("/metrics", metrics)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    address = f"127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+    runner, address = await _metrics_server(metrics)
     got: list[EndpointSignals] = []
 
     def record(_: str, signals: EndpointSignals) -> None:
@@ -218,7 +223,6 @@ async def test_a_page_too_large_reads_as_down_and_a_fault_recording_it_ends_noth
 async def test_more_than_a_hundred_slow_endpoints_are_all_scraped_in_time():
     """aiohttp pools 100 connections by default and a request's timeout counts the wait
     for one: with 130 endpoints answering in 0.6 s under a 1 s timeout, 30 read as down."""
-    from aiohttp import web
 
     async def metrics(_: web.Request) -> web.Response:
         await asyncio.sleep(0.6)
@@ -250,7 +254,6 @@ async def test_more_than_a_hundred_slow_endpoints_are_all_scraped_in_time():
 async def test_an_endpoint_slow_to_answer_holds_back_no_others_reading():
     """Each answer is recorded as it comes: the results used to wait for the round's slowest
     endpoint (up to the timeout), so one hung server made every other's load a second old."""
-    from aiohttp import web
 
     async def slow(_: web.Request) -> web.Response:
         await asyncio.sleep(0.8)
@@ -259,16 +262,8 @@ async def test_an_endpoint_slow_to_answer_holds_back_no_others_reading():
     async def fast(_: web.Request) -> web.Response:
         return web.Response(text=VLLM_TEXT)
 
-    runners, addresses = [], []
-    for handler in (slow, fast):
-        app = web.Application()
-        app.router.add_get("/metrics", handler)
-        runner = web.AppRunner(app)
-        await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        runners.append(runner)
-        addresses.append(f"127.0.0.1:{site._server.sockets[0].getsockname()[1]}")
+    servers = [await _metrics_server(handler) for handler in (slow, fast)]
+    runners, addresses = [r for r, _ in servers], [a for _, a in servers]
     loop = asyncio.get_running_loop()
     when: dict[str, float] = {}
     scraper = MetricsScraper(lambda: addresses, lambda a, _: when.setdefault(a, loop.time()))
