@@ -8,6 +8,7 @@ import yaml
 from aiohttp import web
 from prometheus_client import CollectorRegistry, generate_latest
 
+from extproc.admin import start_admin
 from extproc.config import (
     Config,
     ConfigError,
@@ -105,11 +106,7 @@ async def test_the_reader_counts_answering_peers_and_skips_broken_or_dead_ones()
 
     app = web.Application()
     app.router.add_get("/{name}/metrics", handler)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]
+    runner, port = await start_admin(app, "127.0.0.1:0")
     heard: list[tuple[str, dict[str, float]]] = []
     config = PeersConfig(addresses=(f"127.0.0.1:{free_port()}",), timeout_seconds=1.0)
     placed: list[tuple[str, dict[str, float]]] = []

@@ -9,7 +9,7 @@ import orjson
 import pytest
 from aiohttp import web
 
-from extproc.admin import DecisionLog, build_admin_app
+from extproc.admin import DecisionLog, build_admin_app, start_admin
 from extproc.config import EndpointConfig, PeersConfig, RoutingConfig
 from extproc.peers import PeerReader
 from extproc.placements import Placement, PlacementAnswer, PlacementLog, decode, encode, hash_scheme
@@ -151,11 +151,7 @@ def test_a_batch_of_placements_is_recorded_once_per_block_newest_first():
 
 
 async def _serve(app: web.Application) -> tuple[web.AppRunner, int]:
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    return runner, site._server.sockets[0].getsockname()[1]
+    return await start_admin(app, "127.0.0.1:0")
 
 
 async def test_the_reader_reads_only_new_placements_from_a_peers_admin_port(monkeypatch):

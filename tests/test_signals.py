@@ -8,6 +8,7 @@ import aiohttp
 import pytest
 from aiohttp import web
 
+from extproc.admin import start_admin
 from extproc.config import HealthCheckConfig
 from extproc.endpoints import HealthChecker
 from extproc.fake_replica import ReplicaSettings, start_replica
@@ -108,11 +109,8 @@ async def _metrics_server(handler) -> tuple[web.AppRunner, str]:
     """A /metrics page served on 127.0.0.1 by ``handler``: (its runner, its address)."""
     app = web.Application()
     app.router.add_get("/metrics", handler)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    return runner, f"127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+    runner, port = await start_admin(app, "127.0.0.1:0")
+    return runner, f"127.0.0.1:{port}"
 
 
 async def test_scraper_reads_a_live_replica_and_marks_a_dead_one_down():
