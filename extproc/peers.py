@@ -133,8 +133,6 @@ class PeerReader(EndpointPoller[PeerAnswer]):
             except OSError as exc:
                 log.warning("peers: cannot resolve %s: %s", self.config.dns_name, exc)
         self._addresses_now = sorted(set(addresses))
-        for gone in self._seen.keys() - set(self._addresses_now):
-            del self._seen[gone]
         await super().poll_all(session)
         pending, self._pending = self._pending, []
         if self._on_placements is None:
@@ -153,6 +151,13 @@ class PeerReader(EndpointPoller[PeerAnswer]):
         url = f"http://{address}{PLACEMENTS_PATH}?after={last}&log={log_id}"
         placements = await fetch_parsed(session, url, decode, MAX_ANSWER_BYTES)
         return PeerAnswer(figures.work, placements, figures.placed)
+
+    def forget(self, gone: set[str]) -> None:
+        for address in gone:  # (a peer pod replaced: its log and warnings go with it)
+            self._seen.pop(address, None)
+            self._answering.pop(address, None)
+            self._unread.discard(address)
+            self._foreign.discard(address)
 
     def record(self, address: str, result: PeerAnswer) -> None:
         answering = result.work is not None

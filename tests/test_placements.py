@@ -280,3 +280,22 @@ async def test_a_peer_with_a_broken_placements_page_still_counts_its_work(
     assert work == ["r1", "r1"] and placements == [] and reader._pending == []
     (warning,) = [r.getMessage() for r in caplog.records if "placements" in r.getMessage()]
     assert "could not be read" in warning
+
+
+async def test_a_peer_no_longer_listed_is_forgotten():
+    """A peer pod replaced (DNS gives another address): what was kept of the old one (its
+    log position, its answering state) goes, rather than piling up with pod churn."""
+    log = PlacementLog()
+    runner, port = await _serve(build_admin_app(DecisionLog(10), lambda: True, log))
+    address = f"127.0.0.1:{port}"
+    reader = PeerReader(PeersConfig(addresses=(address,)), lambda *_: None, lambda _: None)
+    try:
+        log.add(_placement(0))
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=2.0)) as session:
+            await reader.poll_all(session)
+            assert address in reader._seen and address in reader._answering
+            reader.config = PeersConfig(addresses=())
+            await reader.poll_all(session)
+    finally:
+        await runner.cleanup()
+    assert reader._seen == {} and reader._answering == {}
