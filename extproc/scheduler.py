@@ -30,7 +30,11 @@ The algorithm, top to bottom:
    of an endpoint with nothing queued: a copy into free room evicts nothing; with
    session_stickiness set, off by default, a router alone charges a continuing
    conversation that much per token toward an endpoint with nothing queued: its later
-   turns follow the copy).
+   turns follow the copy; and when even the least-queued eligible endpoint has a backlog,
+   the premium grows by backlog_stickiness x stickiness per request's worth of it: every
+   endpoint is busy, so a copy's extra prefill delays all that queue behind it and, in a
+   full cache, evicts a prefix recomputed in turn, while the queue difference it escapes
+   passes).
    A new session drawn by a shared prefix alone (held, but not its own first turn) goes by
    the rendezvous order among the endpoints whose cost is within cold_margin x its cold
    prefill of the cheapest, as a cold start would: another router replica that sees only
@@ -193,6 +197,8 @@ class CostModel:
     # long_prefix_stickiness instead of the stickiness (0 tokens: never).
     long_prefix_tokens: float = 8192.0
     long_prefix_stickiness: float = 16.0
+    # Stickiness added per request's worth of prefill queued everywhere (see backlog_premium).
+    backlog_stickiness: float = 3.0
 
     @classmethod
     def from_config(cls, config: RoutingConfig) -> CostModel:
@@ -206,6 +212,7 @@ class CostModel:
             session_stickiness=config.session_stickiness,
             long_prefix_tokens=config.long_prefix_tokens,
             long_prefix_stickiness=config.long_prefix_stickiness,
+            backlog_stickiness=config.backlog_stickiness,
         )
 
     def for_held(self, held_tokens: float) -> CostModel:
@@ -241,6 +248,18 @@ class CostModel:
             return self.stickiness
         share = np.maximum(self.stickiness_floor, np.minimum(1.0, fill / self.stickiness_fill))
         return self.stickiness * np.where(self.queued(work), 1.0, share)
+
+    def backlog_premium(self, tokens: float, least_work: float) -> float:
+        """Stickiness added per lacking token when even the least-queued eligible endpoint
+        has ``least_work`` queued: every endpoint is backlogged, so a copy's extra prefill
+        is work that all the requests queued behind it wait for, and in a full cache it
+        evicts a prefix that is recomputed in turn, while the queue difference it escapes
+        passes. backlog_stickiness x the stickiness per request's worth of queued prefill,
+        counted in this request's cold prefills (the requests that wait behind the copy)."""
+        if not self.backlog_stickiness or least_work <= 0:
+            return 0.0
+        requests = least_work / self.prefill(tokens, 0)
+        return self.stickiness * self.backlog_stickiness * requests
 
     def continuing_premium(
         self, premium: np.ndarray | float, work: np.ndarray
@@ -456,6 +475,7 @@ class Scheduler:
             premium = model.premium(table.fill, work)
             if not new_session and not turnless:
                 premium = model.continuing_premium(premium, work)
+            premium = premium + model.backlog_premium(n, float(work[eligible].min()))
             score = -(cost + premium * np.maximum(0.0, best_tokens - cached))
             if new_session:
                 # The rendezvous order among the endpoints within the cold-start margin of

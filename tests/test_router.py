@@ -1433,3 +1433,31 @@ def test_a_router_alone_ignores_cache_events_one_of_several_reads_them(finished_
     router.observe_cache_events(target, [(True, hashes)])
     held = router.index.match(hashes, [target]).get(target, 0)
     assert held == (len(hashes) if applied else 0)
+
+
+def test_a_backlog_on_every_endpoint_makes_leaving_a_held_prefix_dearer():
+    """backlog_stickiness: when even the least-queued endpoint has a backlog, a copy's
+    recomputed prefix is work every request queued there waits for, and in a full cache it
+    evicts another prefix; the request then stays with its prefix past a queue difference
+    that moves it when the other endpoint is idle (or with the setting off)."""
+    addresses = [e.address for e in ENDPOINTS[:2]]
+    prompt, held = 2304.0, 2048
+
+    def pick(work: list[float], **routing) -> str | None:
+        table = EndpointTable(
+            addresses=addresses,
+            load=np.zeros(2),
+            work=np.array(work),
+            matched=np.array([held, 0], dtype=np.int64),
+            address_hash=np.array([address_hash(a) for a in addresses], dtype=np.uint64),
+        )
+        scheduler = Scheduler(RoutingConfig(**routing))
+        decision = scheduler.pick(table, int(prompt), key=1, session_blocks=held)
+        return decision.endpoint
+
+    holder, other = addresses
+    gap = 60_000.0  # a second of prefill more on the holder: more than the copy's premium
+    assert pick([gap, 0.0], backlog_stickiness=3.0) == other  # the other is idle
+    assert pick([100_000.0 + gap, 100_000.0], backlog_stickiness=3.0) == holder
+    assert pick([100_000.0 + gap, 100_000.0], backlog_stickiness=0.0) == other
+    assert RoutingConfig().backlog_stickiness > 0
