@@ -21,7 +21,7 @@ from extproc.sim.policies import (
     ideal_hit_tokens,
     make_policy,
 )
-from extproc.sim.replica import CostModel, Replica
+from extproc.sim.replica import CostModel, Replica, cache_units
 from extproc.sim.report import summarize
 from extproc.sim.workloads import PRESETS, SimRequest, Workload, load_mooncake
 
@@ -960,3 +960,36 @@ def test_gaies_prefix_index_is_as_large_as_each_servers_cache() -> None:
         )
         gaie = make_policy("gaie", ctx, 1, 16).instances[0]
         assert {lru.capacity for lru in gaie.index} == {capacity // 16}
+
+
+def test_dynamo_with_kv_events_scores_the_workers_true_caches() -> None:
+    """Dynamo's default index is fed by the engines' KV events. (1) A prefix a server holds
+    that no decision of this router put there draws the request every time; the approximate
+    mode, predicting from its own decisions, sees a tie. (2) A prefix it placed that the
+    server does not hold (evicted, or never computed) draws nothing; the approximate mode
+    follows its prediction every time. Over 20 draws each."""
+    held = SimRequest(0, 0.0, 64 * 16, 4, tuple(range(1, 65)), 16, 16)
+    full, last = cache_units(held, 16)
+
+    def context(seed: int, holder: int | None) -> PolicyContext:
+        replicas = [Replica(i, 100_000, CostModel(), kv_pool="split") for i in range(2)]
+        if holder is not None:
+            replicas[holder].cache.touch(held.ids, full, last)
+        return PolicyContext(replicas, random.Random(seed), 100_000)
+
+    def picks(name: str, holder: int | None, placed_first: bool) -> set[int]:
+        chosen = set()
+        for seed in range(20):
+            policy = make_policy(name, context(seed, holder), 1, 16)
+            if placed_first:
+                first, handle = policy.route(held, 0.0)
+                policy.finish(handle)
+                chosen.add(policy.route(held, 0.0)[0] == first)
+            else:
+                chosen.add(policy.route(held, 0.0)[0])
+        return chosen
+
+    assert picks("dynamo-events", 1, placed_first=False) == {1}
+    assert picks("dynamo", 1, placed_first=False) == {0, 1}
+    assert picks("dynamo-events", None, placed_first=True) == {True, False}
+    assert picks("dynamo", None, placed_first=True) == {True}

@@ -312,6 +312,17 @@ class DynamoPolicy:
                 del active[chunk]
 
 
+class DynamoEventsPolicy(DynamoPolicy):
+    """Dynamo's KV router as it runs by default: its index is fed by the engines' KV-cache
+    events (``--kv-events``, on unless ``--no-kv-events``), so the overlap it scores is each
+    worker's true prefix cache, not its own prediction; the cost and the active-sequence
+    counting are ``DynamoPolicy``'s. The simulator gives it the caches at the instant of the
+    decision (no event delay): an upper bound of what its events tell it."""
+
+    def _cached(self, r: int, request: SimRequest, full: int, last: int, now: float) -> int:
+        return self.ctx.replicas[r].cached_tokens(request) // self.block
+
+
 @dataclass(slots=True)
 class _DynamoRequest:
     worker: int
@@ -627,6 +638,7 @@ PEERS: dict[str, PolicyFactory] = {
     "gaie": GaiePolicy,
     "sglang": SglangCacheAwarePolicy,
     "dynamo": DynamoPolicy,
+    "dynamo-events": DynamoEventsPolicy,
     "production-stack": ProductionStackPolicy,
 }
 # Policies that know the truth: never replicated over K router instances.
