@@ -215,12 +215,14 @@ class RoutingConfig(_Strict):
     )
     # When every endpoint is backlogged, a copy's recomputed prefix is work that everything
     # queued behind it waits for, and in a full cache it evicts another prefix that will be
-    # recomputed in turn; the queue difference it escapes is passing. In the simulator 3
-    # took the overloaded GAIE shape 4 x 100k from 0.489 / 6.2 s to 0.517 / 4.8 s (GAIE's
-    # scorer: 0.530 / 5.2 s) and Mooncake 4 x 200k from 0.120 / 25.8 s to 0.128 / 23.4 s;
-    # cells with an idle endpoint do not move (docs/benchmarks.md, "A backlog everywhere").
+    # recomputed in turn; the queue difference it escapes is passing. Off by default: in the
+    # simulator 3 took the overloaded GAIE shape 4 x 100k from 0.489 / 6.2 s to 0.517 / 4.8 s
+    # (GAIE's scorer: 0.530 / 5.2 s) and Mooncake 4 x 200k from 0.120 / 25.8 s to 0.128 /
+    # 23.4 s, but on the held-out shapes at 4 replicas it lengthened tails by up to 19 % and
+    # left GAIE's scorer better on both in GAIE low-cache (docs/benchmarks.md, "A backlog
+    # everywhere").
     backlog_stickiness: float = Field(
-        default=3.0,
+        default=0.0,
         ge=0,
         description="stickiness added, in multiples of the stickiness, per request's worth of "
         "prefill (this request's, cold) queued on the least-queued eligible endpoint; 0: off",

@@ -30,8 +30,9 @@ The algorithm, top to bottom:
    of an endpoint with nothing queued: a copy into free room evicts nothing; with
    session_stickiness set, off by default, a router alone charges a continuing
    conversation that much per token toward an endpoint with nothing queued: its later
-   turns follow the copy; and when even the least-queued eligible endpoint has a backlog,
-   the premium grows by backlog_stickiness x stickiness per request's worth of it: every
+   turns follow the copy; with backlog_stickiness set, off by default, when even the
+   least-queued eligible endpoint has a backlog, the premium grows by backlog_stickiness x
+   stickiness per request's worth of it: every
    endpoint is busy, so a copy's extra prefill delays all that queue behind it and, in a
    full cache, evicts a prefix recomputed in turn, while the queue difference it escapes
    passes).
@@ -198,7 +199,7 @@ class CostModel:
     long_prefix_tokens: float = 8192.0
     long_prefix_stickiness: float = 16.0
     # Stickiness added per request's worth of prefill queued everywhere (see backlog_premium).
-    backlog_stickiness: float = 3.0
+    backlog_stickiness: float = 0.0
 
     @classmethod
     def from_config(cls, config: RoutingConfig) -> CostModel:

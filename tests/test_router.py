@@ -1436,7 +1436,7 @@ def test_a_router_alone_ignores_cache_events_one_of_several_reads_them(finished_
 
 
 def test_a_backlog_on_every_endpoint_makes_leaving_a_held_prefix_dearer():
-    """backlog_stickiness: when even the least-queued endpoint has a backlog, a copy's
+    """backlog_stickiness (off by default): when even the least-queued endpoint has a backlog, a copy's
     recomputed prefix is work every request queued there waits for, and in a full cache it
     evicts another prefix; the request then stays with its prefix past a queue difference
     that moves it when the other endpoint is idle (or with the setting off)."""
@@ -1460,4 +1460,4 @@ def test_a_backlog_on_every_endpoint_makes_leaving_a_held_prefix_dearer():
     assert pick([gap, 0.0], backlog_stickiness=3.0) == other  # the other is idle
     assert pick([100_000.0 + gap, 100_000.0], backlog_stickiness=3.0) == holder
     assert pick([100_000.0 + gap, 100_000.0], backlog_stickiness=0.0) == other
-    assert RoutingConfig().backlog_stickiness > 0
+    assert RoutingConfig().backlog_stickiness == 0  # off by default (docs/benchmarks.md)
