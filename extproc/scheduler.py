@@ -32,10 +32,9 @@ The algorithm, top to bottom:
    conversation that much per token toward an endpoint with nothing queued: its later
    turns follow the copy; with backlog_stickiness set, off by default, when even the
    least-queued eligible endpoint has a backlog, the premium grows by backlog_stickiness x
-   stickiness per request's worth of it: every
-   endpoint is busy, so a copy's extra prefill delays all that queue behind it and, in a
-   full cache, evicts a prefix recomputed in turn, while the queue difference it escapes
-   passes).
+   stickiness per request's worth of it: every endpoint is busy, so a copy's extra
+   prefill delays all that queue behind it and, in a full cache, evicts a prefix
+   recomputed in turn, while the queue difference it escapes passes).
    A new session drawn by a shared prefix alone (held, but not its own first turn) goes by
    the rendezvous order among the endpoints whose cost is within cold_margin x its cold
    prefill of the cheapest, as a cold start would: another router replica that sees only
@@ -476,7 +475,8 @@ class Scheduler:
             premium = model.premium(table.fill, work)
             if not new_session and not turnless:
                 premium = model.continuing_premium(premium, work)
-            premium = premium + model.backlog_premium(n, float(work[eligible].min()))
+            if model.backlog_stickiness:
+                premium = premium + model.backlog_premium(n, float(work[eligible].min()))
             score = -(cost + premium * np.maximum(0.0, best_tokens - cached))
             if new_session:
                 # The rendezvous order among the endpoints within the cold-start margin of
