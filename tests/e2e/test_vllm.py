@@ -155,12 +155,23 @@ def test_prefix_routing_beats_round_robin_on_vllm(vllm_endpoints: list[str]) -> 
     learned = samples.get(("prefix_router_prefill_tokens_per_second", None))
     print(f"learned prefill throughput: {learned} token-equivalents/s")
     assert learned is not None and learned != 60_000.0, router_metrics
-    # This router sent every request vLLM finished: its measured share of the traffic is
-    # (about) all, so it keeps the one-router cold-start margin.
+    # The router's measured share of the traffic is what it placed of what vLLM finished.
+    # Envoy lets a request past a router slow to answer (fail-open): on a loaded machine 10
+    # of 48 reached vLLM unplaced and the share read 0.80, which is right. Placing (about)
+    # all, it keeps the one-router cold-start margin.
+    routed = sum(
+        s.value
+        for f in text_string_to_metric_families(router_metrics)
+        for s in f.samples
+        if s.name == "prefix_router_requests_total" and s.labels.get("outcome") == "routed"
+    )
+    placed = routed / total
     share = samples.get(("prefix_router_traffic_share", None))
     margin = samples.get(("prefix_router_cold_margin", None))
-    print(f"traffic share {share}, cold margin {margin}")
-    assert share is not None and share > 0.8 and margin is not None and margin < 0.6, router_metrics
+    print(f"placed {placed:.3f} of the requests; traffic share {share}, cold margin {margin}")
+    assert placed >= 0.5 and share is not None and abs(share - placed) < 0.1, router_metrics
+    if placed > 0.9:
+        assert share > 0.8 and margin is not None and margin < 0.6, router_metrics
     for address in vllm_endpoints:
         assert samples.get(("prefix_router_endpoint_metrics_up", address)) == 1.0, router_metrics
         assert ("prefix_router_endpoint_kv_usage", address) in samples, router_metrics
