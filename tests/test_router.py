@@ -1436,10 +1436,11 @@ def test_a_router_alone_ignores_cache_events_one_of_several_reads_them(finished_
 
 
 def test_a_backlog_on_every_endpoint_makes_leaving_a_held_prefix_dearer():
-    """backlog_stickiness (off by default): when even the least-queued endpoint has a backlog, a copy's
-    recomputed prefix is work every request queued there waits for, and in a full cache it
-    evicts another prefix; the request then stays with its prefix past a queue difference
-    that moves it when the other endpoint is idle (or with the setting off)."""
+    """backlog_stickiness (off by default): when even the least-queued endpoint has a
+    backlog, a copy's recomputed prefix is work every request queued there waits for, and in
+    a full cache it evicts another prefix; the request then stays with its prefix past a
+    queue difference that moves it when the other endpoint is idle (or with the setting
+    off)."""
     addresses = [e.address for e in ENDPOINTS[:2]]
     prompt, held = 2304.0, 2048
 
