@@ -8,6 +8,7 @@ import aiohttp
 import pytest
 from aiohttp import web
 
+from extproc import poller
 from extproc.admin import start_admin
 from extproc.config import HealthCheckConfig
 from extproc.endpoints import HealthChecker
@@ -186,9 +187,6 @@ def test_figures_no_server_means_are_not_read():
 async def test_a_page_too_large_reads_as_down_and_a_fault_recording_it_ends_nothing(
     monkeypatch: pytest.MonkeyPatch,
 ):
-
-    from extproc import poller
-
     page = VLLM_TEXT + "# filler\n" * 2000
 
     async def metrics(_: web.Request) -> web.Response:
