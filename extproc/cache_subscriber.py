@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections import Counter
 from collections.abc import Callable, Sequence
 
@@ -86,6 +87,9 @@ class CacheEventSubscriber:
         self.counts: Counter[tuple[str, str]] = Counter()  # (endpoint, kind)
         self.tables: dict[str, EndpointCacheEvents] = {}
         self._restarted: set[str] = set()  # endpoints whose server restarted, by its metrics
+        # endpoint -> when (Unix time) its sequence was last seen starting over
+        self._sequence_restarts: dict[str, float] = {}
+        self.clock: Callable[[], float] = time.time
 
     def start(self) -> None:
         if self._task is None:
@@ -112,6 +116,8 @@ class CacheEventSubscriber:
         for endpoint in set(self._tasks) - set(endpoints):
             self._tasks.pop(endpoint).cancel()
             self.tables.pop(endpoint, None)
+            self._sequence_restarts.pop(endpoint, None)
+            self._restarted.discard(endpoint)
         for endpoint in endpoints:
             task = self._tasks.get(endpoint)
             if task is None or task.done():  # (a task that ended is started again)
@@ -120,14 +126,27 @@ class CacheEventSubscriber:
                     self._read(endpoint), name=f"cache-events {endpoint}"
                 )
 
-    def restarted(self, endpoint: str) -> None:
-        """The endpoint's metrics show its server restarted. Its publisher's sequence then
-        starts over, which tells the same unless the new server published past the number
-        last read before this subscriber heard from it again (it reconnects within a few
-        seconds); so the next message empties the table and is read as a first one (asking
-        the replay socket, if any, for everything the new server buffered)."""
-        if endpoint in self.tables:
-            self._restarted.add(endpoint)
+    def restarted(self, endpoint: str, started: float | None = None) -> bool:
+        """The endpoint's metrics show its server restarted (at ``started``, Unix time, if
+        known). Its publisher's sequence then starts over, which tells the same unless the
+        new server published past the number last read before this subscriber heard from it
+        again (it reconnects within a few seconds); so the next message empties the table
+        and is read as a first one (asking the replay socket, if any, for everything the new
+        server buffered).
+
+        Returns False if the sequence already told this restart: it started over after the
+        new server started (a server loads its model for seconds before it publishes, far
+        more than the clocks of two NTP-kept hosts differ). The table and the router's
+        index then hold the new server's own blocks, read since, and are kept; emptied
+        again, up to a scrape interval of them would be lost and the restart counted
+        twice."""
+        if endpoint not in self.tables:
+            return True
+        seen = self._sequence_restarts.get(endpoint)
+        if started is not None and seen is not None and started <= seen:
+            return False
+        self._restarted.add(endpoint)
+        return True
 
     def _socket(self, kind: int, address: str) -> zmq.asyncio.Socket:
         socket = self._context.socket(kind)
@@ -224,6 +243,7 @@ class CacheEventSubscriber:
             self._count(endpoint, "missed_messages", sequence - expected)
         elif expected is not None and sequence < expected:
             # The sequence starts over: the publisher restarted, and its cache with it.
+            self._sequence_restarts[endpoint] = self.clock()
             self._count(endpoint, "restarts", 1)
             table.cleared()
             self._on_changes(endpoint, [(None, EMPTY)])

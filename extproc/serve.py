@@ -175,10 +175,10 @@ class RouterService:
         if not self.router.is_member(address):
             return  # a scrape that was under way when the endpoint was removed
         self.metrics.record_signals(address, signals)
-        if signals.restarted:
+        if signals.restarted and (
+            self.cache_events is None or self.cache_events.restarted(address, signals.started)
+        ):  # (not if the events' sequence told it first: their table holds the new server's)
             self.router.restarted(address)
-            if self.cache_events is not None:
-                self.cache_events.restarted(address)
         capacity = (
             signals.block_size * signals.num_blocks
             if signals.block_size and signals.num_blocks

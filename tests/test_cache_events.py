@@ -1403,7 +1403,9 @@ async def test_the_service_hands_a_restart_its_metrics_show_to_the_subscriber(
     service = RouterService(config, translation=translation)
     assert service.cache_events is not None
     told: list[str] = []
-    monkeypatch.setattr(service.cache_events, "restarted", told.append)
+    monkeypatch.setattr(
+        service.cache_events, "restarted", lambda endpoint, started: told.append(endpoint) or True
+    )
     try:
         service.scraper.record(endpoint, EndpointSignals(up=True, started=1.0))
         service.scraper.record(endpoint, EndpointSignals(up=True, started=1.0))
@@ -1412,3 +1414,69 @@ async def test_the_service_hands_a_restart_its_metrics_show_to_the_subscriber(
         assert told == [endpoint]
     finally:
         await service.cache_events.stop()
+
+
+async def test_a_restart_the_sequence_told_first_is_not_told_again_by_the_metrics(
+    tmp_path: Path, translation: Translation
+) -> None:
+    """The events' sequence started over (the new server's first messages read) before a
+    scrape showed the new process start time: the restart was handled then, and the blocks
+    read since are the new server's, so the metrics' news keeps them (emptied again, up to
+    a scrape interval of them were lost and the restart counted twice). A restart after
+    the one the sequence told still empties the endpoint's index."""
+    from extproc.serve import RouterService
+    from extproc.signals import EndpointSignals
+
+    endpoint = "127.0.0.1:8002"
+    config = load_config(
+        None,
+        {
+            "server.listen": "127.0.0.1:0",
+            "server.admin_listen": "",
+            "endpoints": endpoint,
+            "health.enabled": False,
+            "routing.block_size_bytes": BLOCK,
+            "cache_events.publisher": f"ipc://{tmp_path}/kv-{{port}}.ipc",
+            "cache_events.model_dir": str(tmp_path),
+            "cache_events.model": MODEL,
+        },
+        environ={},
+    )
+    service = RouterService(config, translation=translation)
+    subscriber = service.cache_events
+    assert subscriber is not None
+    subscriber.tables[endpoint] = EndpointCacheEvents(translation)
+    subscriber.clock = lambda: 1_000.0
+    messages = _first_turn()
+    prompt = _encode(_rendered(messages))
+    events = _events_of(prompt, len(prompt) // VLLM_BLOCK)
+    hashes = _router_hashes(messages)
+    old = {**events[0], "block_hashes": [1000 + h for h in events[0]["block_hashes"]]}
+
+    def frames(sequence: int, payload: list[dict[str, object]]) -> list[bytes]:
+        return [b"kv", sequence.to_bytes(8, "big"), msgspec.msgpack.encode([0.0, payload, 0])]
+
+    try:
+        service.scraper.record(endpoint, EndpointSignals(up=True, started=100.0))
+        expected = None
+        for sequence in range(4):  # the old server's
+            expected = await subscriber.handle(endpoint, frames(sequence, [old]), expected)
+        # The new server (started at 990) publishes its first request's blocks: the
+        # sequence starts over at 1,000.
+        expected = await subscriber.handle(endpoint, frames(0, events), expected)
+        assert subscriber.counts[endpoint, "restarts"] == 1
+        held = service.router.index.match(hashes, [endpoint])
+        assert held.get(endpoint, 0) >= len(hashes) - 1, held
+        stored = len(subscriber.tables[endpoint])
+        service.scraper.record(endpoint, EndpointSignals(up=True, started=990.0))
+        assert service.router.index.match(hashes, [endpoint]) == held
+        expected = await subscriber.handle(endpoint, frames(expected or 0, []), expected)
+        assert len(subscriber.tables[endpoint]) == stored
+        assert endpoint not in subscriber._restarted  # the next message does not clear it
+        assert subscriber.counts[endpoint, "restarts"] == 1
+        # Restarted again, after that; its new sequence not yet read: the metrics tell it.
+        service.scraper.record(endpoint, EndpointSignals(up=True, started=1_010.0))
+        assert service.router.index.match(hashes, [endpoint]) == {}
+        assert endpoint in subscriber._restarted
+    finally:
+        await subscriber.stop()
