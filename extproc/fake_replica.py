@@ -73,6 +73,9 @@ class ReplicaSettings:
     # Headers every response carries ("name: value"), as a replica behind a proxy of its own
     # might send; tests check that the router's own markers cannot be forged this way.
     response_headers: tuple[str, ...] = ()
+    # process_start_time_seconds, as vLLM's one API server process exports it (several
+    # export none): the router tells a restart by it.
+    exports_start_time: bool = True
 
     def __post_init__(self) -> None:
         for name in ("block_tokens", "bytes_per_token", "max_num_seqs", "output_tokens"):
@@ -146,6 +149,7 @@ class ReplicaState:
     ttft_count: int = 0
     held_blocks: dict[bytes, int] = field(default_factory=dict)  # running requests' full blocks
     private_blocks: int = 0  # running requests' partial-prompt and output blocks
+    started: float = field(default_factory=time.time)  # this server's start (Unix time)
 
     def observe_ttft(self, seconds: float) -> None:
         self.ttft_sum += seconds
@@ -484,6 +488,12 @@ class VllmCollector:
         )
         config.add_metric(list(info.values()), 1)
         yield config
+        if s.exports_start_time:
+            yield GaugeMetricFamily(
+                "process_start_time_seconds",
+                "Start time of the process since unix epoch in seconds.",
+                value=st.started,
+            )
 
 
 @web.middleware
@@ -589,6 +599,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="append",
         default=[],
         help="'name: value' every response carries (repeatable)",
+    )
+    parser.add_argument(
+        "--no-start-time",
+        dest="exports_start_time",
+        action="store_false",
+        help="export no process_start_time_seconds (as vLLM with several API server processes)",
     )
     for flag, kind, doc in (
         ("capacity-tokens", int, "KV-cache size in tokens"),

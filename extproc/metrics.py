@@ -67,6 +67,13 @@ class RouterMetrics:
         self.endpoint_decisions = counter(
             "prefix_router_endpoint_decisions", "Requests routed to each endpoint", ("endpoint",)
         )
+        self.endpoint_restarts = counter(
+            "prefix_router_endpoint_restarts",
+            "Restarts of an endpoint's server told by its metrics (a new process start time): "
+            "its index is emptied. One its KV-cache events' sequence told first is counted in "
+            'prefix_router_cache_events{kind="restarts"} instead',
+            ("endpoint",),
+        )
         self.prompt_blocks = counter(
             "prefix_router_prompt_blocks",
             "Prompt blocks of routed requests, per chosen endpoint",
@@ -280,7 +287,12 @@ class RouterMetrics:
             else:
                 gauge_.remove(address)
         if not workers:
-            for counter_ in (self.endpoint_decisions, self.prompt_blocks, self.matched_blocks):
+            for counter_ in (
+                self.endpoint_decisions,
+                self.prompt_blocks,
+                self.matched_blocks,
+                self.endpoint_restarts,
+            ):
                 counter_.remove(address)
             self.cache_events.remove_by_labels({"endpoint": address})
 

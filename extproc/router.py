@@ -135,6 +135,9 @@ class Router:
         # Requests each endpoint reported beyond this router's in flight there (at its scrape).
         self._others_load = np.zeros(0)
         self._healthy = np.zeros(0, dtype=bool)
+        # Whether the endpoint's last metrics reading had its process start time: a restart
+        # is then told by the metrics, and a failed probe need not empty its index.
+        self._tells_restarts = np.zeros(0, dtype=bool)
         # Estimated prefill work queued (token-equivalents) as of ``_work_at`` (clock time).
         self._work = np.zeros(0)
         self._work_at = np.zeros(0)
@@ -226,6 +229,7 @@ class Router:
         self._running_read = carried(self._running_read, np.nan, np.float64)
         self._waiting_read = carried(self._waiting_read, np.nan, np.float64)
         self._healthy = carried(self._healthy, True, bool)
+        self._tells_restarts = carried(self._tells_restarts, False, bool)
         self._work = carried(self._work, 0.0, np.float64)
         self._placed = carried(self._placed, 0.0, np.float64)
         self._peer_placed_total = carried(self._peer_placed_total, 0.0, np.float64)
@@ -259,6 +263,7 @@ class Router:
         kv_capacity_tokens: int | None = None,
         prefill_window: tuple[float, float, float] | None = None,
         counts_finished: bool = False,
+        tells_restarts: bool = False,
     ) -> None:
         """What the endpoint itself reports. Its running + waiting requests count as its load
         when they exceed this router's own in-flight count (other routers' traffic, or
@@ -268,10 +273,13 @@ class Router:
         failed) falls back to in-flight counts only. ``prefill_window``: (computed tokens,
         prefills, seconds) of the requests it finished since the last scrape, which the
         prefill throughput is learned from (``_learn_prefill_rate``); ``counts_finished``:
-        it exports that counter (no window: none finished), so its queues tell arrivals."""
+        it exports that counter (no window: none finished), so its queues tell arrivals;
+        ``tells_restarts``: the reading had the server's process start time (``set_health``)."""
         i = self._position.get(address)
         if i is None:
             return
+        if up:
+            self._tells_restarts[i] = tells_restarts
         finished = 0.0 if prefill_window is None else prefill_window[1]
         if prefill_window is not None:
             self._learn_prefill_rate(*prefill_window)
@@ -551,14 +559,26 @@ class Router:
         return address in self._position
 
     def set_health(self, address: str, healthy: bool) -> None:
+        """The probes' verdict: an unhealthy endpoint is not picked. Its index is emptied (a
+        restarted server comes back with an empty cache) unless its metrics carry its
+        process start time: a restart is then told at the first scrape the new server
+        answers (``restarted``), and an endpoint that only missed probes (a stall, an
+        overloaded API server, a network blip) keeps what it holds, rather than every
+        prefix it held being prefilled again elsewhere once it is back."""
         i = self._position.get(address)
         if i is None or bool(self._healthy[i]) == healthy:
             return
         self._healthy[i] = healthy
-        if not healthy:
+        kept = not healthy and bool(self._tells_restarts[i])
+        if not healthy and not kept:
             # A restarted server comes back with an empty cache: forget what it held.
             self.index.forget(address)
-        log.warning("endpoint %s is now %s", address, "healthy" if healthy else "unhealthy")
+        log.warning(
+            "endpoint %s is now %s%s",
+            address,
+            "healthy" if healthy else "unhealthy",
+            "; its index is kept (its metrics tell a restart)" if kept else "",
+        )
 
     def restarted(self, address: str) -> None:
         """The endpoint's server restarted (its metrics' process start time changed), maybe

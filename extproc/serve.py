@@ -179,6 +179,7 @@ class RouterService:
             self.cache_events is None or self.cache_events.restarted(address, signals.started)
         ):  # (not if the events' sequence told it first: their table holds the new server's)
             self.router.restarted(address)
+            self.metrics.endpoint_restarts.labels(address).inc()
         capacity = (
             signals.block_size * signals.num_blocks
             if signals.block_size and signals.num_blocks
@@ -193,6 +194,7 @@ class RouterService:
             capacity,
             prefill_window=signals.window_prefill,
             counts_finished=signals.prefills is not None,
+            tells_restarts=signals.started is not None,
         )
 
     def _on_peer_placements(self, placements: list[Placement]) -> None:

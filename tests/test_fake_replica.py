@@ -259,7 +259,9 @@ async def test_metrics_names_labels_and_values(start: Start, session) -> None:
         "vllm:generation_tokens_total",
         "vllm:request_success_total",
         "vllm:cache_config_info",
+        "process_start_time_seconds",
     }
+    assert samples["process_start_time_seconds"] == state.started  # (vLLM's process collector)
 
 
 async def test_waiting_and_kv_usage_under_load(start: Start, session) -> None:

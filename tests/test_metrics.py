@@ -57,6 +57,7 @@ def test_a_removed_endpoints_series_go_with_it():
         metrics.record_signals(address, EndpointSignals(up=True, waiting=1, kv_usage=0.5))
         metrics.cache_events.labels(address, "stored_blocks").inc(3)
         metrics.endpoint_decisions.labels(address).inc()
+        metrics.endpoint_restarts.labels(address).inc()
 
     def endpoints_in_page() -> dict[str, set[str]]:
         seen: dict[str, set[str]] = {}
@@ -69,6 +70,7 @@ def test_a_removed_endpoints_series_go_with_it():
     metrics.refresh(router)
     before = endpoints_in_page()
     assert "prefix_router_endpoint_healthy" in before["10.0.0.2:8000"]
+    assert "prefix_router_endpoint_restarts_total" in before["10.0.0.2:8000"]
     assert before["10.0.0.2:8000"] == before["10.0.0.1:8000"]
     router.set_endpoints(endpoints[:1])
     metrics.refresh(router)

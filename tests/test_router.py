@@ -130,6 +130,32 @@ def test_unhealthy_endpoints_are_skipped_and_forgotten():
     assert router.route(chat("sticky " * 30)).endpoint == moved.endpoint
 
 
+def test_an_endpoint_whose_metrics_tell_restarts_keeps_its_index_while_unhealthy():
+    """Missed probes alone (a stall, an overloaded API server) leave a cache as it was; when
+    the endpoint's metrics carry its process start time a restart is told by them, so the
+    index is kept until they do. Without one (scrapes off, or vLLM with several API server
+    processes) it is emptied as before; a failed scrape changes neither."""
+    router = Router(RoutingConfig(), ENDPOINTS)
+    first = router.route(chat("sticky " * 30))
+    router.finish(first)
+    address = first.endpoint
+    router.observe_signals(address, True, 0, 0, tells_restarts=True)
+    router.observe_signals(address, False)  # a failed scrape: still told
+    router.set_health(address, False)
+    moved = router.route(chat("sticky " * 30))
+    assert moved.endpoint != address
+    router.finish(moved)
+    assert router.index.match(first.hashes, [address])  # kept while it is out
+    router.set_health(address, True)
+    assert router.index.match(first.hashes, [address])
+    router.restarted(address)  # the first scrape the new server answers
+    assert router.index.match(first.hashes, [address]) == {}
+    router.record(router.route(chat("sticky " * 30), allowed=frozenset({address})))
+    router.observe_signals(address, True, 0, 0, tells_restarts=False)
+    router.set_health(address, False)
+    assert router.index.match(first.hashes, [address]) == {}
+
+
 def test_nothing_is_recorded_on_an_endpoint_while_it_is_dead():
     """A peer's placement on an endpoint this router finds dead (peers read a second or more
     late, some placed before they noticed), or this router's own deferred record of a

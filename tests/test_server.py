@@ -503,8 +503,11 @@ async def test_a_restart_seen_in_an_endpoints_metrics_empties_its_index(service)
     assert service.router.index.match(decision.hashes, [address])
     service.scraper.record(address, EndpointSignals(up=True, started=1.0))
     assert service.router.index.match(decision.hashes, [address])  # the first reading
+    restarts = service.metrics.endpoint_restarts.labels(address)
+    before = restarts._value.get()
     service.scraper.record(address, EndpointSignals(up=True, started=2.0))
     assert service.router.index.match(decision.hashes, [address]) == {}
+    assert restarts._value.get() == before + 1
 
 
 async def test_scraped_signals_reach_the_router():

@@ -1,10 +1,12 @@
 """A replica dies and comes back, with the router's default health probes (1 s, 2 failures).
 
-Dead: the router stops picking it within seconds and drops its index entries
-(Router.set_health(False) -> index.forget); requests keep succeeding: both designs retry a
-dead pick on another replica (original-dst through Envoy's composite cluster).
-Back: it is used again. tests/integration/test_replica_failure.py covers the first half with
-health checks off or fast; this is the whole cycle with the defaults.
+Dead: the router stops picking it within seconds; requests keep succeeding: both designs
+retry a dead pick on another replica (original-dst through Envoy's composite cluster). Its
+index entries are kept while its metrics carry the process start time (as vLLM's do), and
+dropped at the first scrape the restarted server answers (a new start time); without a start
+time they are dropped when it is found dead (Router.set_health). A replica that only stalls
+keeps them. Back: it is used again. tests/integration/test_replica_failure.py covers the
+first half with health checks off or fast; this is the whole cycle with the defaults.
 """
 
 from __future__ import annotations
@@ -25,11 +27,23 @@ def _gauge(rig, name: str, endpoint: str) -> float:
     return total(router_samples(rig.router_admin), name, endpoint=endpoint)
 
 
+def _wait_for(condition, seconds: float) -> bool:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(0.1)
+    return False
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("mode", ["override-host", "original-dst"])
-def test_dead_replica_is_avoided_forgotten_and_used_again_when_back(mode):
+@pytest.mark.parametrize(
+    ("mode", "start_time"),
+    [("override-host", True), ("original-dst", True), ("override-host", False)],
+)
+def test_dead_replica_is_avoided_forgotten_and_used_again_when_back(mode, start_time):
     with Stack() as stack:
-        members = stack.start_replicas(3, FAST)
+        members = stack.start_replicas(3, FAST if start_time else [*FAST, "--no-start-time"])
         names = {f"replica-{i + 1}": a for i, a in enumerate(members)}
         rig = start_rig(stack, mode, "buffered", members)
         homes: dict[int, str] = {}
@@ -59,7 +73,10 @@ def test_dead_replica_is_avoided_forgotten_and_used_again_when_back(mode):
         assert detected is not None, "the router never marked the dead replica unhealthy"
         time.sleep(1.2)
         entries_after = _gauge(rig, "prefix_router_index_entries", address)
-        assert entries_after == 0  # forgotten
+        if start_time:
+            assert entries_after > 0  # kept: a restart is told by the metrics
+        else:
+            assert entries_after == 0  # forgotten: nothing would tell a restart
         after = [rig.send(chat(c, turn)) for c in homes]
         assert all(r.status == 200 for r in after)
         assert victim not in {r.replica for r in after}
@@ -69,6 +86,11 @@ def test_dead_replica_is_avoided_forgotten_and_used_again_when_back(mode):
         port = int(address.rsplit(":", 1)[1])
         stack.respawn(proc, port)
         back = time.monotonic()
+        restarts = "prefix_router_endpoint_restarts_total"
+        if start_time:  # (no traffic meanwhile: any entry would be a stale one)
+            assert _wait_for(lambda: _gauge(rig, restarts, address) == 1, 10)
+            assert _wait_for(lambda: _gauge(rig, "prefix_router_index_entries", address) == 0, 3)
+        told = time.monotonic() - back
         used_again = None
         c = 100
         while time.monotonic() - back < 20:
@@ -85,11 +107,60 @@ def test_dead_replica_is_avoided_forgotten_and_used_again_when_back(mode):
         report(
             "replica_death_and_return",
             mode=mode,
+            start_time=start_time,
             requests_while_detecting=len(statuses),
             failed_while_detecting=len(failed),
             unhealthy_after_s=round(detected, 2),
             index_entries_after=entries_after,
+            restart_told_after_s=round(told, 2) if start_time else None,
             used_again_after_s=round(used_again, 2) if used_again is not None else None,
             new_conversations_until_used=c - 99,
         )
         assert used_again is not None, "the replica was never used again"
+
+
+@pytest.mark.slow
+def test_a_stalled_replica_keeps_its_index_and_its_conversations():
+    """SIGSTOP'd past two probes, then resumed: marked unhealthy and back, and as its start
+    time did not change, what it held was kept; its conversations come back to it."""
+    with Stack() as stack:
+        members = stack.start_replicas(3, FAST)
+        names = {f"replica-{i + 1}": a for i, a in enumerate(members)}
+        rig = start_rig(stack, "override-host", "buffered", members)
+        homes: dict[int, str] = {}
+        for c in range(12):
+            response = rig.send(chat(c, 0))
+            assert response.status == 200
+            homes[c] = response.replica
+        victim = max(set(homes.values()), key=list(homes.values()).count)
+        address = names[victim]
+        time.sleep(1.2)  # gauges refresh every second
+        held = _gauge(rig, "prefix_router_index_entries", address)
+        assert held > 0
+        proc = stack.process(victim)
+        proc.signal(signal.SIGSTOP)
+        stopped = time.monotonic()
+        try:
+            healthy = "prefix_router_endpoint_healthy"
+            assert _wait_for(lambda: _gauge(rig, healthy, address) == 0, 10)
+            detected = time.monotonic() - stopped
+        finally:
+            proc.signal(signal.SIGCONT)
+        assert _wait_for(lambda: _gauge(rig, healthy, address) == 1, 10)
+        time.sleep(1.2)
+        kept = _gauge(rig, "prefix_router_index_entries", address)
+        assert kept == held
+        assert _gauge(rig, "prefix_router_endpoint_restarts_total", address) == 0
+        mine = [c for c, home in homes.items() if home == victim]
+        back = [rig.send(chat(c, 1)) for c in mine]
+        assert all(r.status == 200 for r in back)
+        returned = sum(r.replica == victim for r in back)
+        report(
+            "replica_stall",
+            unhealthy_after_s=round(detected, 2),
+            index_entries_before=held,
+            index_entries_after=kept,
+            conversations=len(mine),
+            back_on_it=returned,
+        )
+        assert returned == len(mine)
