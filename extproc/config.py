@@ -75,6 +75,18 @@ class EndpointConfig(_Strict):
         default=None, gt=0, description="KV-cache size in tokens; sizes this endpoint's index"
     )
     weight: float = Field(default=1.0, gt=0, description="relative share of load it can take")
+    models: tuple[str, ...] = Field(
+        default=(),
+        description='model names it serves (a request\'s "model"); empty: read from its '
+        "/v1/models (models config)",
+    )
+
+    @field_validator("models")
+    @classmethod
+    def _models_named(cls, value: tuple[str, ...]) -> tuple[str, ...]:
+        if any(not name.strip() for name in value):
+            raise ValueError("a model name is empty")
+        return value
 
     @field_validator("address")
     @classmethod
@@ -506,6 +518,21 @@ class SignalsConfig(_Strict):
     timeout_seconds: float = Field(default=1.0, gt=0, description="scrape timeout")
 
 
+class ModelsConfig(_Strict):
+    """Which models each endpoint serves, read from its OpenAI-style model list (vLLM lists
+    its served names and LoRA adapters there): a request goes only to endpoints serving its
+    model, so one router serves several model pools."""
+
+    enabled: bool = Field(default=True, description="read each endpoint's model list")
+    path: str = Field(default="/v1/models", description="model list path on the endpoint")
+    interval_seconds: float = Field(
+        default=2.0,
+        gt=0,
+        description="time between reads (a LoRA adapter loaded meanwhile is routed to once read)",
+    )
+    timeout_seconds: float = Field(default=1.0, gt=0, description="read timeout")
+
+
 class PeersConfig(_Strict):
     """Other replicas of this router, whose own queued work is counted as this one's and
     whose placements go into this one's index (off while no address or DNS name is set).
@@ -676,11 +703,12 @@ class Config(_Strict):
     routing: RoutingConfig = RoutingConfig()
     health: HealthCheckConfig = HealthCheckConfig()
     signals: SignalsConfig = SignalsConfig()
+    models: ModelsConfig = ModelsConfig()
     peers: PeersConfig = PeersConfig()
     endpoints: tuple[EndpointConfig, ...] = Field(
         default=(),
         description="the model servers when discovery.kind is static: ip:port strings or "
-        "{address, capacity_tokens, weight}",
+        "{address, capacity_tokens, weight, models}",
     )
     discovery: DiscoveryConfig = DiscoveryConfig()
     tls: TLSConfig = TLSConfig()

@@ -179,6 +179,15 @@ class RouterMetrics:
             ("endpoint",),
             "livemin",
         )
+        self.endpoint_model = gauge(
+            "prefix_router_endpoint_model",
+            "1 for each model the endpoint is known to serve (configured, or read from its "
+            "model list; models config): requests for a model go only to its endpoints, and "
+            "to those whose list could not be read",
+            ("endpoint", "model"),
+            "livemax",
+        )
+        self._models_exported: set[tuple[str, str]] = set()
         self.index_entries = gauge(
             "prefix_router_index_entries",
             "Block hashes held in the index",
@@ -269,6 +278,20 @@ class RouterMetrics:
         healthy = set(router.healthy_endpoints())
         for address in router.endpoints:
             self.healthy.labels(address).set(1 if address in healthy else 0)
+        served = {
+            (address, model)
+            for address, models in router.served_models().items()
+            for model in models or ()
+        }
+        for pair in served - self._models_exported:
+            self.endpoint_model.labels(*pair).set(1)
+        workers = bool(os.environ.get(MULTIPROC_ENV))
+        for pair in self._models_exported - served:
+            if workers:  # (the value lives on in the worker's mmap file)
+                self.endpoint_model.labels(*pair).set(0)
+            else:
+                self.endpoint_model.remove(*pair)
+        self._models_exported = served
         for address, entries in router.index.entries_by_endpoint().items():
             self.index_entries.labels(address).set(entries)
         self.index_bytes.set(router.index_stats().approx_bytes)

@@ -29,6 +29,7 @@ from .hashing import (
     session_blocks,
 )
 from .index import IndexStats, PrefixIndex
+from .model_pools import ModelPools
 from .placements import Placement, PlacementLog
 from .prompt import LLMRequest
 from .scheduler import (
@@ -119,6 +120,7 @@ class Router:
         self.clock = clock
         self.scheduler = Scheduler(config, self.cost)
         self.index = PrefixIndex()
+        self.models = ModelPools()  # which endpoints serve which model
         self._addresses: list[str] = []
         self._position: dict[str, int] = {}
         self._weight = np.zeros(0)
@@ -252,6 +254,7 @@ class Router:
         self._largest_capacity = max(capacities, default=0)
         self._capacity_configured = configured
         self.index.set_endpoints(dict(zip(addresses, capacities, strict=True)))
+        self.models.set_endpoints([e.models for e in endpoints], keep)
 
     def observe_signals(
         self,
@@ -580,6 +583,16 @@ class Router:
             "; its index is kept (its metrics tell a restart)" if kept else "",
         )
 
+    def observe_models(self, address: str, models: frozenset[str] | None) -> None:
+        """The endpoint's model list as read (None: unreadable; it is then sent any model)."""
+        i = self._position.get(address)
+        if i is not None and self.models.observe(i, models):
+            log.info("endpoint %s: models %s", address, sorted(models or ()) or "any")
+
+    def served_models(self) -> dict[str, frozenset[str] | None]:
+        """Each endpoint's models as known (None: not known; it may be sent any)."""
+        return {a: self.models.served(i) for i, a in enumerate(self._addresses)}
+
     def restarted(self, address: str) -> None:
         """The endpoint's server restarted (its metrics' process start time changed), maybe
         between two health probes: its cache is empty, so is what the index says it holds."""
@@ -727,6 +740,9 @@ class Router:
         now = self.clock()
         self._drain_all(now)
         usable = self._healthy
+        serving = self.models.eligible(request.model)  # (NotRoutable: no endpoint serves it)
+        if serving is not None:
+            usable = usable & serving
         if allowed is not None:  # O(size of the hint), not O(endpoints)
             hinted = np.zeros(len(self._addresses), dtype=bool)
             hinted[[i for a in allowed if (i := self._position.get(a)) is not None]] = True

@@ -50,6 +50,7 @@ from .metrics import MULTIPROC_ENV, RouterMetrics
 from .peers import PeerReader
 from .placements import Placement, PlacementLog, hash_scheme
 from .router import Router
+from .served_models import ModelLister
 from .server import ExternalProcessorService, Outcome
 from .signals import EndpointSignals, MetricsScraper
 from .telemetry import DecisionTracer, tracer_from_env
@@ -121,6 +122,9 @@ class RouterService:
         self.checker = HealthChecker(
             config.health, lambda: self.router.endpoints, self.router.set_health
         )
+        self.model_lister = ModelLister(
+            config.models, lambda: self.router.endpoints, self._on_models
+        )
         self.scraper = MetricsScraper(
             lambda: self.router.endpoints,
             self._on_signals,
@@ -144,7 +148,7 @@ class RouterService:
             self.cache_events = CacheEventSubscriber(
                 config.cache_events,
                 translation or translation_from_config(config),
-                lambda: self.router.endpoints,
+                self._endpoints_of_the_events_model,
                 self.router.observe_cache_events,
                 self._count_cache_events,
             )
@@ -169,6 +173,21 @@ class RouterService:
     def _count_cache_events(self, endpoint: str, kind: str, n: int) -> None:
         if self.router.is_member(endpoint):  # (not a series for an endpoint just removed)
             self.metrics.cache_events.labels(endpoint, kind).inc(n)
+
+    def _endpoints_of_the_events_model(self) -> list[str]:
+        """The endpoints whose KV-cache events are read: those serving the one model they
+        are translated for (another pool's server has another tokeniser), or whose models
+        are not known."""
+        model = self.config.cache_events.model
+        return [
+            address
+            for address, models in self.router.served_models().items()
+            if models is None or model in models
+        ]
+
+    def _on_models(self, address: str, models: frozenset[str] | None) -> None:
+        if self.router.is_member(address):  # (not a list read as the endpoint was removed)
+            self.router.observe_models(address, models)
 
     def _on_signals(self, address: str, signals: EndpointSignals) -> None:
         """An endpoint's own metrics: published, and fed to the scheduler (load, KV)."""
@@ -249,6 +268,7 @@ class RouterService:
         self.checker.start()
         if self.config.signals.enabled:
             self.scraper.start()
+        self.model_lister.start()
         if self.config.peers.enabled:
             self.peers.start()
         if self.cache_events is not None:
@@ -309,6 +329,7 @@ class RouterService:
             await asyncio.sleep(notice)
         await self.checker.stop()
         await self.scraper.stop()
+        await self.model_lister.stop()
         await self.peers.stop()
         if self.cache_events is not None:
             await self.cache_events.stop()

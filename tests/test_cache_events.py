@@ -1480,3 +1480,34 @@ async def test_a_restart_the_sequence_told_first_is_not_told_again_by_the_metric
         assert endpoint in subscriber._restarted
     finally:
         await subscriber.stop()
+
+
+async def test_events_are_read_only_from_the_pool_of_their_model(
+    tmp_path: Path, translation: Translation
+) -> None:
+    """With several model pools behind the router, another model's servers (another
+    tokeniser) are not subscribed to; those whose models are not known yet still are."""
+    from extproc.serve import RouterService
+
+    pool, other, unknown = "127.0.0.1:8001", "127.0.0.1:8002", "127.0.0.1:8003"
+    config = load_config(
+        None,
+        {
+            "server.listen": "127.0.0.1:0",
+            "server.admin_listen": "",
+            "endpoints": f"{pool},{other},{unknown}",
+            "health.enabled": False,
+            "cache_events.publisher": f"ipc://{tmp_path}/kv-{{port}}.ipc",
+            "cache_events.model_dir": str(tmp_path),
+            "cache_events.model": MODEL,
+        },
+        environ={},
+    )
+    service = RouterService(config, translation=translation)
+    try:
+        service.router.observe_models(pool, frozenset({MODEL, "a-lora"}))
+        service.router.observe_models(other, frozenset({"another-model"}))
+        assert service._endpoints_of_the_events_model() == [pool, unknown]
+    finally:
+        assert service.cache_events is not None
+        await service.cache_events.stop()

@@ -172,6 +172,15 @@ def test_prefix_routing_beats_round_robin_on_vllm(vllm_endpoints: list[str]) -> 
     assert placed >= 0.5 and share is not None and abs(share - placed) < 0.1, router_metrics
     if placed > 0.9:
         assert share > 0.8 and margin is not None and margin < 0.6, router_metrics
+    # The router read vLLM's own model list (/v1/models): each server's served name, the one
+    # model its requests may go to (model pools).
+    models = {
+        (s.labels["endpoint"], s.labels["model"])
+        for f in text_string_to_metric_families(router_metrics)
+        for s in f.samples
+        if s.name == "prefix_router_endpoint_model" and s.value == 1.0
+    }
+    assert models == {(a, lab.SERVED_MODEL_NAME) for a in vllm_endpoints}, router_metrics
     for address in vllm_endpoints:
         assert samples.get(("prefix_router_endpoint_metrics_up", address)) == 1.0, router_metrics
         assert ("prefix_router_endpoint_kv_usage", address) in samples, router_metrics
