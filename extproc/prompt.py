@@ -45,11 +45,18 @@ class LLMRequest:
     # Byte offset where the messages before the first user turn (system prompt, tools) end:
     # what every conversation of one application, or every question on one document, shares.
     preamble_end: int = 0
+    # Requests the server's engine runs for it: ``n`` samples of each prompt of a batch
+    # (vLLM counts each as a request of its own in its metrics: the traffic share compares).
+    engine_requests: int = 1
 
 
 def api_for_path(path: str) -> str | None:
     return _API_BY_PATH.get(path.split("?", 1)[0].rstrip("/") or "/")
 
+
+# One request counts as at most this many of the server's (a client's n=10**9, which the
+# server refuses, must not make this router read itself as placing all the traffic).
+MAX_ENGINE_REQUESTS = 256
 
 _FRAMING_BYTES = (b"\x1b", b"\x01", b"\x02", b"\x03")
 # The usual roles' frame heads, built once (the escaping cannot change them).
@@ -240,6 +247,10 @@ def parse_request(api: str, body: bytes) -> LLMRequest:
     if not isinstance(model, str) or not isinstance(salt, str):
         raise NotRoutable("bad_model", "model and cache_salt must be strings")
     prompt, first_turn_end, preamble_end = _PROMPT_BUILDERS[api](data)
+    n = data.get("n", 1)
+    samples = min(n, MAX_ENGINE_REQUESTS) if type(n) is int and n >= 1 else 1
+    batch = data.get("prompt") if api == "completions" else None
+    prompts = len(batch) if isinstance(batch, list) and isinstance(batch[0], str | list) else 1
     return LLMRequest(
         api=api,
         model=model,
@@ -248,4 +259,5 @@ def parse_request(api: str, body: bytes) -> LLMRequest:
         first_turn_end=first_turn_end,
         stream=data.get("stream") is True,
         preamble_end=preamble_end,
+        engine_requests=min(MAX_ENGINE_REQUESTS, samples * prompts),
     )

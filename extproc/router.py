@@ -795,7 +795,7 @@ class Router:
             decision.unrecorded = True
             if not defer_record:
                 self.record(decision)
-            self._sent[chosen] += 1
+            self._sent[chosen] += request.engine_requests  # (what the server counts)
             if decision.cold_start and cfg.balance_cold_starts:
                 self._placed *= 1.0 - 1.0 / BALANCE_COLD_STARTS
                 self._placed[chosen] += decision.work

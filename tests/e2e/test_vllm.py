@@ -186,6 +186,38 @@ def test_prefix_routing_beats_round_robin_on_vllm(vllm_endpoints: list[str]) -> 
         assert ("prefix_router_endpoint_kv_usage", address) in samples, router_metrics
 
 
+def test_a_router_counts_n_samples_as_the_requests_vllm_counts(vllm_endpoints: list[str]) -> None:
+    """vLLM runs each of a request's n samples as a request of its own and counts it so in
+    the finished prefills the router reads its traffic share from. 12 requests with n=3
+    through the router and 12 plain ones sent straight to the servers: the router placed
+    36 of their 48, a share of 0.75 (counting its requests once it read 12 of 48, 0.25, and
+    took itself for one of four routers)."""
+    with Stack() as stack:
+        router_address, _ = stack.start_router(vllm_endpoints, body_mode="buffered")
+        port, _ = stack.start_proxy("override-host", vllm_endpoints, router_address)
+        admin = stack.router_admin_ports["router"]
+        for i in range(12):
+            body = {
+                "model": lab.SERVED_MODEL_NAME,
+                "messages": [{"role": "user", "content": f"sample me {i} " * 40}],
+                "max_tokens": 2,
+                "n": 3,
+            }
+            request = urllib.request.Request(
+                f"http://{LOOPBACK}:{port}/v1/chat/completions",
+                data=orjson.dumps(body),
+                headers={"content-type": "application/json"},
+            )
+            with urllib.request.urlopen(request, timeout=60) as response:
+                assert len(orjson.loads(response.read())["choices"]) == 3
+            _chat(vllm_endpoints[i % len(vllm_endpoints)], f"not through the router {i} " * 40)
+        time.sleep(2.0)  # a few scrapes (every 0.5 s)
+        reading = _router_reading(admin)
+    print(f"router reading after n=3 requests: {reading}")
+    assert reading.get("requests routed") == 12, reading
+    assert abs(reading["prefix_router_traffic_share"] - 0.75) < 0.1, reading
+
+
 def test_a_streamed_vllm_request_stays_charged_past_its_headers(
     vllm_endpoints: list[str],
 ) -> None:
