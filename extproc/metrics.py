@@ -69,9 +69,10 @@ class RouterMetrics:
         )
         self.endpoint_restarts = counter(
             "prefix_router_endpoint_restarts",
-            "Restarts of an endpoint's server told by its metrics (a new process start time): "
-            "its index is emptied. One its KV-cache events' sequence told first is counted in "
-            'prefix_router_cache_events{kind="restarts"} instead',
+            "Restarts of an endpoint's server told by its metrics (another process start "
+            "time): its index is emptied. Each worker process (serve --workers) counts those "
+            "it reads; one the KV-cache events' sequence told first is counted only in "
+            'prefix_router_cache_events{kind="restarts"}',
             ("endpoint",),
         )
         self.prompt_blocks = counter(

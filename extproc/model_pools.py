@@ -4,9 +4,13 @@ Kept by endpoint position (the router's arrays' order), with one boolean mask pe
 name built when a list changes, so a decision costs a dict lookup and an ``or``.
 
 An endpoint is in one of three states: its models are known (configured, or read from its
-model list), it could not tell (its list unreadable: it is sent any model, as before pools
-existed), or it was not asked yet (new: it is left out of a model's pool while other
-endpoints are known to serve that model, and used as before when none is).
+model list), it could not tell (its list unreadable, empty or too long: it is sent any
+model, as before pools existed), or it was not asked yet (new: it is left out of a model's
+pool while a healthy endpoint is known to serve that model, and used as before otherwise).
+
+Pools exist only where the known lists differ. With one list everywhere (one model, or
+servers that ignore ``model``: TGI's clients send "tgi") a model no list names goes
+anywhere, as before: the server decides.
 """
 
 from __future__ import annotations
@@ -28,6 +32,8 @@ class ModelPools:
         self._masks: dict[str, np.ndarray] = {}
         self._any = np.zeros(0, dtype=bool)  # sent any model (unreadable list)
         self._open = np.zeros(0, dtype=bool)  # unreadable or not asked yet
+        self._unasked = np.zeros(0, dtype=bool)
+        self._pools = 0  # distinct model lists known
 
     def set_endpoints(self, configured: Sequence[tuple[str, ...]], kept: Sequence[int]) -> None:
         """The endpoint list changed: ``configured`` models per new position (empty: to be
@@ -73,17 +79,24 @@ class ModelPools:
         self._masks = masks
         self._any = self._state == ANY_MODEL
         self._open = self._state != KNOWN
+        self._unasked = self._state == UNASKED
+        self._pools = len({m for i, m in enumerate(self._models) if self._state[i] == KNOWN})
 
-    def eligible(self, model: str) -> np.ndarray | None:
+    def eligible(self, model: str, healthy: np.ndarray) -> np.ndarray | None:
         """The positions a request for ``model`` may go to; None: any (no endpoint's models
-        are known, or the request names none: the server then uses its default). Raises
-        NotRoutable("unknown_model") when every endpoint's models are known and none
-        serves it: passed through, its server answers (vLLM: 404, model does not exist)."""
-        if not self._masks or not model:
+        are known, a single list is, or the request names none: the server then uses its
+        default). Endpoints not asked yet join a model's pool when none of it is
+        ``healthy``. Raises NotRoutable("unknown_model") when the lists differ, every
+        endpoint's is known and none names the model: passed through, its server answers
+        (vLLM: 404, the model does not exist)."""
+        if not model or self._pools == 0:
             return None
         mask = self._masks.get(model)
         if mask is not None:
-            return mask | self._any
+            pool = mask | self._any
+            return pool if (pool & healthy).any() else pool | self._unasked
+        if self._pools == 1:
+            return None
         if not self._open.any():
             raise NotRoutable("unknown_model")
         return self._open

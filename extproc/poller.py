@@ -60,6 +60,9 @@ async def fetch_parsed(
 
 class EndpointPoller(Generic[Result]):
     task_name = "endpoint-poller"
+    # If set, addresses not polled yet (new, or ``unpolled``) are looked for this often
+    # between rounds and polled at once, not at the next round.
+    new_address_seconds: float | None = None
 
     def __init__(
         self, addresses: Callable[[], list[str]], interval_seconds: float, timeout_seconds: float
@@ -89,7 +92,25 @@ class EndpointPoller(Generic[Result]):
         async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
             while True:
                 await self.poll_all(session)
-                await asyncio.sleep(self.interval)
+                await self._wait_polling_new(session)
+
+    async def _wait_polling_new(self, session: aiohttp.ClientSession) -> None:
+        step = self.new_address_seconds
+        if step is None:
+            await asyncio.sleep(self.interval)
+            return
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.interval
+        while (left := deadline - loop.time()) > 0:
+            await asyncio.sleep(min(step, left))
+            new = [a for a in self._addresses() if a not in self._polled]
+            if new:
+                self._polled.update(new)
+                await asyncio.gather(*(self._poll_and_record(session, a) for a in new))
+
+    def unpolled(self, address: str) -> None:
+        """Poll ``address`` again soon, as a new one (``new_address_seconds``)."""
+        self._polled.discard(address)
 
     async def poll_all(self, session: aiohttp.ClientSession) -> None:
         """One round: every endpoint polled at once, each answer recorded as it comes (an

@@ -282,6 +282,10 @@ class Router:
         if i is None:
             return
         if up:
+            if self._tells_restarts[i] and not tells_restarts:
+                # Its start time is gone: another process (vLLM brought back with several API
+                # servers exports none), whose cache nothing says is the old one's.
+                self.restarted(address)
             self._tells_restarts[i] = tells_restarts
         finished = 0.0 if prefill_window is None else prefill_window[1]
         if prefill_window is not None:
@@ -740,7 +744,8 @@ class Router:
         now = self.clock()
         self._drain_all(now)
         usable = self._healthy
-        serving = self.models.eligible(request.model)  # (NotRoutable: no endpoint serves it)
+        # (NotRoutable: no endpoint serves it)
+        serving = self.models.eligible(request.model, self._healthy)
         if serving is not None:
             usable = usable & serving
         if allowed is not None:  # O(size of the hint), not O(endpoints)

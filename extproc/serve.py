@@ -199,6 +199,8 @@ class RouterService:
         ):  # (not if the events' sequence told it first: their table holds the new server's)
             self.router.restarted(address)
             self.metrics.endpoint_restarts.labels(address).inc()
+        if signals.restarted:  # (adapters loaded at run time are gone with the old process)
+            self.model_lister.read_again(address)
         capacity = (
             signals.block_size * signals.num_blocks
             if signals.block_size and signals.num_blocks

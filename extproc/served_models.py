@@ -20,19 +20,25 @@ from .poller import EndpointPoller, fetch_parsed
 
 log = logging.getLogger(__name__)
 
-# A list longer than this is not read (an endpoint with thousands of adapters is read as
-# serving any model rather than making every decision's mask that large).
+# A list longer than this is read as "any model" (an endpoint with thousands of adapters,
+# rather than a mask per adapter), as is an empty one.
 MAX_MODELS = 4096
+# How often the list of an endpoint not asked yet (just discovered, or restarted) is looked
+# for between rounds: it gets no request for a model others are known to serve until read.
+NEW_ENDPOINT_SECONDS = 0.1
 # A model list page larger than this is not read.
 MAX_LIST_BYTES = 4 * 2**20
 
 
 def parse_model_list(text: str) -> frozenset[str]:
-    """The model ids of an OpenAI-style list; ValueError for anything else."""
+    """The model ids of an OpenAI-style list, empty for an empty or too long one (then any
+    model may go there); ValueError for anything else."""
     page = orjson.loads(text)
     data = page.get("data") if isinstance(page, dict) else None
-    if not isinstance(data, list) or len(data) > MAX_MODELS:
+    if not isinstance(data, list):
         raise ValueError("not a model list")
+    if len(data) > MAX_MODELS:
+        return frozenset()
     ids = [card.get("id") if isinstance(card, dict) else None for card in data]
     if not all(isinstance(i, str) and i for i in ids):
         raise ValueError("a model without an id")
@@ -40,11 +46,13 @@ def parse_model_list(text: str) -> frozenset[str]:
 
 
 class ModelLister(EndpointPoller["frozenset[str] | None"]):
-    """Reads every endpoint's model list on a timer; ``on_models(address, ids)`` gets each
-    answer, None where the list could not be read (a failed read after a good one keeps
-    the last list: an overloaded server still serves what it served)."""
+    """Reads every endpoint's model list on a timer, a new endpoint's at once;
+    ``on_models(address, ids)`` gets each answer, None where any model may go there (its
+    list empty, too long, or unreadable; a failed read after a good one keeps the last list:
+    an overloaded server still serves what it served)."""
 
     task_name = "endpoint-models"
+    new_address_seconds = NEW_ENDPOINT_SECONDS
 
     def __init__(
         self,
@@ -69,10 +77,17 @@ class ModelLister(EndpointPoller["frozenset[str] | None"]):
         for address in gone:
             self.latest.pop(address, None)
 
+    def read_again(self, address: str) -> None:
+        """Its server restarted (adapters loaded at run time are gone): read it as new."""
+        self.latest.pop(address, None)
+        self.unpolled(address)
+
     def record(self, address: str, models: frozenset[str] | None) -> None:
         previous = self.latest.get(address)
         if models is None and previous is not None:
             return  # keep the last list read
+        if models is not None and not models:
+            models = None  # empty or too long: any model
         if models != previous or address not in self.latest:
             if models is None:
                 log.warning(

@@ -165,8 +165,10 @@ class MetricsScraper(EndpointPoller[EndpointSignals]):
             # (vLLM with several API server processes exports no start time at all: its
             # multiprocess registry has no process collector, so scrapes answered by
             # different processes do not read as restarts.)
+            # (Any other start time is another process: an earlier one too, e.g. another
+            # server at the address.)
             restarted = None not in (previous.started, signals.started) and (
-                signals.started > previous.started  # type: ignore[operator]
+                signals.started != previous.started
             )
             signals.restarted = restarted
             if not restarted:

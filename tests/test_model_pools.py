@@ -57,14 +57,18 @@ def test_a_request_goes_only_to_endpoints_serving_its_model():
 def test_unreadable_lists_get_any_model_and_new_endpoints_wait_for_theirs():
     """An endpoint whose list cannot be read (an API key on /v1/models, an old server) is
     sent any model, as before pools existed; one not asked yet is left out of a model's
-    pool while other endpoints are known to serve it; a failed read keeps the last list."""
+    pool while a healthy endpoint is known to serve it, and joins it when none is."""
     router = Router(RoutingConfig(), [EndpointConfig(address=a) for a in A + B])
     router.observe_models(A[0], frozenset({"a"}))
     assert _placed(router, "a") == {A[0]}  # A[1], B: not asked yet
-    assert _placed(router, "c") == {A[1], B[0]}  # none known to serve it: those that may
-    router.observe_models(B[0], None)
+    assert _placed(router, "c") == set(A + B)  # one list known: no pools, the server decides
+    router.set_health(A[0], False)
+    assert _placed(router, "a") == {A[1], B[0]}  # its pool down: those not asked yet
+    router.set_health(A[0], True)
+    router.observe_models(A[1], frozenset({"b"}))  # two pools now
+    assert _placed(router, "c") == {B[0]}  # no list names it: the one not asked
+    router.observe_models(B[0], None)  # unreadable
     assert _placed(router, "a") == {A[0], B[0]}
-    router.observe_models(A[1], frozenset({"b"}))
     assert _placed(router, "c") == {B[0]}
     router.observe_models(B[0], frozenset({"b"}))  # every list known now
     with pytest.raises(NotRoutable):
@@ -75,6 +79,20 @@ def test_unreadable_lists_get_any_model_and_new_endpoints_wait_for_theirs():
     router.observe_models(A[0], frozenset({"z"}))
     assert router.served_models() == {A[0]: frozenset({"a"}), A[1]: frozenset({"b"})}
     assert _placed(router, "a") == {A[0]}
+
+
+def test_servers_that_ignore_the_model_name_are_routed_as_before():
+    """TGI's clients send "model": "tgi" and its list names the real model; with one list
+    everywhere there are no pools to choose between, so such requests are routed (by
+    prefix, as before), not passed through."""
+    router = Router(RoutingConfig(), [EndpointConfig(address=a) for a in A + B])
+    for address in A + B:
+        router.observe_models(address, frozenset({"mistralai/Mistral-7B-Instruct-v0.3"}))
+    assert _placed(router, "tgi") == set(A + B)
+    first = router.route(chat("tgi", "the same conversation " * 40))
+    router.finish(first)
+    again = router.route(chat("tgi", "the same conversation " * 40))
+    assert again.endpoint == first.endpoint and again.matched_blocks > 0
 
 
 def test_model_lists_are_parsed_strictly():
@@ -140,3 +158,49 @@ def test_the_lister_polls_nothing_when_disabled():
     lister = ModelLister(cfg.models, lambda: A, lambda address, models: None)
     lister.start()
     assert lister._task is None
+
+
+def test_an_empty_or_too_long_list_reads_as_any_model_even_after_a_good_one():
+    from extproc.served_models import MAX_MODELS
+
+    assert parse_model_list('{"data": []}') == frozenset()
+    many = {"data": [{"id": f"lora-{i}"} for i in range(MAX_MODELS + 1)]}
+    assert parse_model_list(orjson.dumps(many).decode()) == frozenset()
+    cfg = load_config(None, {}, environ={})
+    told: list[frozenset[str] | None] = []
+    lister = ModelLister(cfg.models, lambda: A, lambda address, models: told.append(models))
+    lister.record(A[0], frozenset({"base", "lora-1"}))
+    lister.record(A[0], None)  # unreadable now: the last list stands
+    lister.record(A[0], frozenset())  # too long now: any model
+    assert told == [frozenset({"base", "lora-1"}), None]
+
+
+async def test_a_new_endpoint_and_a_restarted_one_are_read_at_once():
+    """Between rounds (every 10 s here) an endpoint not read yet is read within ~0.1 s: a
+    just-discovered one, and one whose server restarted (its run-time adapters are gone)."""
+    from extproc.fake_replica import ReplicaSettings, start_replica
+
+    runner, port = await start_replica(ReplicaSettings(name="r", model="a", port=0))
+    address = f"127.0.0.1:{port}"
+    addresses: list[str] = []
+    cfg = load_config(None, {"models.interval_seconds": 10.0}, environ={})
+    told: list[tuple[str, frozenset[str] | None]] = []
+    lister = ModelLister(cfg.models, lambda: list(addresses), lambda a, m: told.append((a, m)))
+    lister.start()
+    try:
+        await asyncio.sleep(0.2)  # the first round: nothing to read
+        addresses.append(address)
+        for _ in range(40):
+            if told:
+                break
+            await asyncio.sleep(0.05)
+        assert told == [(address, frozenset({"a"}))]
+        lister.read_again(address)
+        for _ in range(40):
+            if len(told) == 2:
+                break
+            await asyncio.sleep(0.05)
+        assert told[1:] == [(address, frozenset({"a"}))]
+    finally:
+        await lister.stop()
+        await runner.cleanup()

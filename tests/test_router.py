@@ -1510,3 +1510,18 @@ def test_a_request_for_n_samples_counts_as_the_n_requests_the_server_counts():
         assert parse_request("completions", orjson.dumps(one)).engine_requests == 1
     huge = {"model": "m", "prompt": "a " * 40, "n": 10**9}
     assert parse_request("completions", orjson.dumps(huge)).engine_requests == 256
+
+
+def test_a_start_time_that_vanishes_is_another_process():
+    """The index was kept because the endpoint's metrics told restarts; its new server
+    exports no start time (vLLM brought back with several API servers): nothing says its
+    cache is the old one's, so the index goes at that first reading."""
+    router = Router(RoutingConfig(), ENDPOINTS)
+    first = router.route(chat("kept " * 30))
+    router.finish(first)
+    router.observe_signals(first.endpoint, True, 0, 0, tells_restarts=True)
+    router.set_health(first.endpoint, False)
+    router.observe_signals(first.endpoint, False)  # down meanwhile
+    assert router.index.match(first.hashes, [first.endpoint])
+    router.observe_signals(first.endpoint, True, 0, 0, tells_restarts=False)
+    assert router.index.match(first.hashes, [first.endpoint]) == {}

@@ -80,6 +80,12 @@ def test_window_hit_ratio_and_down_transitions_keep_counters():
     scraper.record("a", EndpointSignals(up=True, hits=300, queries=500, started=1.0))
     scraper.record("a", EndpointSignals(up=True, hits=900, queries=1000, started=2.0))
     assert updates[-1][1].window_hit_ratio == pytest.approx(1.0)  # restarted: the last kept
+    assert updates[-1][1].restarted
+    # An earlier start time is another process too (another server at the address).
+    scraper.record("a", EndpointSignals(up=True, hits=950, queries=1100, started=1.5))
+    assert updates[-1][1].restarted
+    scraper.record("a", EndpointSignals(up=True, hits=990, queries=1200, started=1.5))
+    assert not updates[-1][1].restarted
 
 
 def test_prefill_window_is_each_scrapes_increase_reported_once():
