@@ -531,6 +531,18 @@ class ModelsConfig(_Strict):
         description="time between reads (a LoRA adapter loaded meanwhile is routed to once read)",
     )
     timeout_seconds: float = Field(default=1.0, gt=0, description="read timeout")
+    api_key_env: str = Field(
+        default="",
+        description="environment variable holding the key the lists need (vLLM's --api-key "
+        "guards /v1/models), sent as a bearer token",
+    )
+
+    @field_validator("api_key_env")
+    @classmethod
+    def _env_name(cls, value: str) -> str:
+        if value and not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", value):
+            raise ValueError(f"{value!r} is not an environment variable name")
+        return value
 
 
 class PeersConfig(_Strict):

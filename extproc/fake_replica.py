@@ -76,6 +76,8 @@ class ReplicaSettings:
     # process_start_time_seconds, as vLLM's one API server process exports it (several
     # export none): the router tells a restart by it.
     exports_start_time: bool = True
+    # vLLM's --api-key: every /v1 path then needs "Authorization: Bearer <key>" (401 without).
+    api_key: str = ""
 
     def __post_init__(self) -> None:
         for name in ("block_tokens", "bytes_per_token", "max_num_seqs", "output_tokens"):
@@ -496,6 +498,20 @@ class VllmCollector:
             )
 
 
+def _key_check(key: str) -> Any:
+    """vLLM's --api-key: the /v1 paths answer 401 without the bearer token."""
+
+    @web.middleware
+    async def check(request: web.Request, handler: Any) -> web.StreamResponse:
+        if request.path.startswith("/v1") and (
+            request.headers.get("Authorization") != f"Bearer {key}"
+        ):
+            return web.json_response({"error": "Unauthorized"}, status=401)
+        return await handler(request)
+
+    return check
+
+
 @web.middleware
 async def _errors(request: web.Request, handler: Any) -> web.StreamResponse:
     """Every failure becomes a vLLM-shaped JSON error; the server itself never dies."""
@@ -515,7 +531,8 @@ async def _errors(request: web.Request, handler: Any) -> web.StreamResponse:
 def build_app(settings: ReplicaSettings) -> web.Application:
     """The replica's aiohttp app; ``app["state"]`` exposes the live counters to tests."""
     # Long multi-turn histories outgrow aiohttp's 1 MiB default body limit.
-    app = web.Application(middlewares=[_errors], client_max_size=64 * 1024 * 1024)
+    middlewares = [_errors] if not settings.api_key else [_errors, _key_check(settings.api_key)]
+    app = web.Application(middlewares=middlewares, client_max_size=64 * 1024 * 1024)
     replica = Replica(settings)
     registry = CollectorRegistry(auto_describe=False)
     registry.register(VllmCollector(settings, replica.state))
@@ -600,6 +617,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=[],
         help="'name: value' every response carries (repeatable)",
     )
+    parser.add_argument("--api-key", default=d.api_key, help="as vLLM's: /v1 paths need it")
     parser.add_argument(
         "--no-start-time",
         dest="exports_start_time",

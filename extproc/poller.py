@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Generic, TypeVar
 
 import aiohttp
@@ -43,11 +43,12 @@ async def fetch_parsed(
     url: str,
     parse: Callable[[str], Parsed],
     max_bytes: int | None = None,
+    headers: Mapping[str, str] | None = None,
 ) -> Parsed | None:
     """GET ``url`` and parse its text; None for a non-200 answer, a network failure, a body
     over ``max_bytes`` or a page ``parse`` rejects (ValueError), so that a poll never raises."""
     try:
-        async with session.get(url) as response:
+        async with session.get(url, headers=headers) as response:
             if response.status != 200:
                 return None
             body = await read_at_most(response, max_bytes or MAX_PAGE_BYTES)

@@ -50,7 +50,7 @@ from .metrics import MULTIPROC_ENV, RouterMetrics
 from .peers import PeerReader
 from .placements import Placement, PlacementLog, hash_scheme
 from .router import Router
-from .served_models import ModelLister
+from .served_models import ModelLister, auth_headers
 from .server import ExternalProcessorService, Outcome
 from .signals import EndpointSignals, MetricsScraper
 from .telemetry import DecisionTracer, tracer_from_env
@@ -635,6 +635,11 @@ def run(args: argparse.Namespace) -> int:
         return 2
     if not config.endpoints and config.discovery.kind == "static":
         log.warning("no endpoints configured: every routable request will get a 503")
+    try:  # fail fast, before any worker starts: the model lists' key must be there
+        auth_headers(config.models)
+    except ConfigError as exc:
+        print(f"prefix-router: invalid configuration\n{exc}", file=sys.stderr)
+        return 2
     if config.tls.enabled:
         try:  # fail fast, before any worker starts, on unreadable or mismatched files
             CertificateReloader(config.tls)

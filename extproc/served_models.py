@@ -10,12 +10,13 @@ before this existed.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+import os
+from collections.abc import Callable, Mapping
 
 import aiohttp
 import orjson
 
-from .config import ModelsConfig
+from .config import ConfigError, ModelsConfig
 from .poller import EndpointPoller, fetch_parsed
 
 log = logging.getLogger(__name__)
@@ -45,6 +46,19 @@ def parse_model_list(text: str) -> frozenset[str]:
     return frozenset(ids)
 
 
+def auth_headers(config: ModelsConfig, environ: Mapping[str, str] = os.environ) -> dict[str, str]:
+    """The bearer token header the lists need, from ``models.api_key_env``; a ConfigError
+    naming the field when that variable is not set (checked at start-up)."""
+    if not config.api_key_env:
+        return {}
+    key = environ.get(config.api_key_env, "")
+    if not key:
+        raise ConfigError(
+            f"config field models.api_key_env: environment variable {config.api_key_env} is not set"
+        )
+    return {"Authorization": f"Bearer {key}"}
+
+
 class ModelLister(EndpointPoller["frozenset[str] | None"]):
     """Reads every endpoint's model list on a timer, a new endpoint's at once;
     ``on_models(address, ids)`` gets each answer, None where any model may go there (its
@@ -62,6 +76,7 @@ class ModelLister(EndpointPoller["frozenset[str] | None"]):
     ) -> None:
         super().__init__(addresses, config.interval_seconds, config.timeout_seconds)
         self.config = config
+        self._headers = auth_headers(config)
         self._on_models = on_models
         self.latest: dict[str, frozenset[str] | None] = {}
 
@@ -71,7 +86,9 @@ class ModelLister(EndpointPoller["frozenset[str] | None"]):
 
     async def poll(self, session: aiohttp.ClientSession, address: str) -> frozenset[str] | None:
         url = f"http://{address}{self.config.path}"
-        return await fetch_parsed(session, url, parse_model_list, MAX_LIST_BYTES)
+        return await fetch_parsed(
+            session, url, parse_model_list, MAX_LIST_BYTES, headers=self._headers
+        )
 
     def forget(self, gone: set[str]) -> None:
         for address in gone:

@@ -204,3 +204,54 @@ async def test_a_new_endpoint_and_a_restarted_one_are_read_at_once():
     finally:
         await lister.stop()
         await runner.cleanup()
+
+
+async def test_lists_behind_an_api_key_are_read_with_the_key_from_the_environment(
+    monkeypatch: pytest.MonkeyPatch,
+):
+    """vLLM's --api-key guards /v1/models: without the key the list reads as unreadable
+    (any model may go there); with models.api_key_env naming a set variable it is read.
+    Start-up refuses a name whose variable is not set, naming the field."""
+    from extproc.fake_replica import ReplicaSettings, start_replica
+    from extproc.served_models import auth_headers
+
+    runner, port = await start_replica(
+        ReplicaSettings(name="r", model="a", port=0, api_key="sekret")
+    )
+    address = f"127.0.0.1:{port}"
+
+    async def read(overrides: dict) -> list[frozenset[str] | None]:
+        cfg = load_config(None, {"models.interval_seconds": 10.0, **overrides}, environ={})
+        told: list[frozenset[str] | None] = []
+        lister = ModelLister(cfg.models, lambda: [address], lambda a, m: told.append(m))
+        lister.start()
+        try:
+            for _ in range(40):
+                if told:
+                    break
+                await asyncio.sleep(0.05)
+        finally:
+            await lister.stop()
+        return told
+
+    try:
+        assert await read({}) == [None]
+        monkeypatch.setenv("VLLM_KEY_FOR_TEST", "sekret")
+        assert await read({"models.api_key_env": "VLLM_KEY_FOR_TEST"}) == [frozenset({"a"})]
+        cfg = load_config(None, {"models.api_key_env": "NOT_SET_ANYWHERE"}, environ={})
+        with pytest.raises(ConfigError, match=r"models\.api_key_env"):
+            auth_headers(cfg.models, environ={})
+        with pytest.raises(ConfigError, match=r"models\.api_key_env"):
+            load_config(None, {"models.api_key_env": "not a name"}, environ={})
+    finally:
+        await runner.cleanup()
+
+
+def test_serve_refuses_to_start_without_the_named_key(capsys: pytest.CaptureFixture[str]):
+    from extproc.cli import main
+
+    code = main(
+        ["serve", "--listen", "127.0.0.1:0", "--set", "models.api_key_env=NOT_SET_ANYWHERE_42"]
+    )
+    assert code == 2
+    assert "models.api_key_env" in capsys.readouterr().err
