@@ -92,7 +92,8 @@ class RouterMetrics:
         )
         self.in_flight = gauge(
             "prefix_router_endpoint_in_flight",
-            "Requests in flight per endpoint, as tracked by the router",
+            "Requests in flight per endpoint, as tracked by the router (one with n samples "
+            "counts n, as the server's running and waiting gauges do)",
             ("endpoint",),
             "livesum",
         )

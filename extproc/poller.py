@@ -61,8 +61,8 @@ async def fetch_parsed(
 
 class EndpointPoller(Generic[Result]):
     task_name = "endpoint-poller"
-    # If set, addresses not polled yet (new, or ``unpolled``) are looked for this often
-    # between rounds and polled at once, not at the next round.
+    # If set, addresses not polled yet (new, or ``unpolled``) are looked for this often,
+    # during rounds too, and polled at once, not at the next round.
     new_address_seconds: float | None = None
 
     def __init__(
@@ -73,6 +73,7 @@ class EndpointPoller(Generic[Result]):
         self.timeout = timeout_seconds
         self._task: asyncio.Task[None] | None = None
         self._polled: set[str] = set()
+        self._eager: set[str] = set()  # to poll at once though polled before (``unpolled``)
 
     def start(self) -> None:
         if self._task is None:
@@ -91,35 +92,44 @@ class EndpointPoller(Generic[Result]):
         # poll wait for a connection inside its timeout, and fail.
         connector = aiohttp.TCPConnector(limit=0)
         async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
-            while True:
-                await self.poll_all(session)
-                await self._wait_polling_new(session)
+            watcher = None
+            if self.new_address_seconds is not None:
+                watcher = asyncio.create_task(self._poll_new(session), name=self.task_name)
+            try:
+                while True:
+                    await self.poll_all(session)
+                    await asyncio.sleep(self.interval)
+            finally:
+                if watcher is not None:
+                    watcher.cancel()
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await watcher
 
-    async def _wait_polling_new(self, session: aiohttp.ClientSession) -> None:
-        step = self.new_address_seconds
-        if step is None:
-            await asyncio.sleep(self.interval)
-            return
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + self.interval
-        while (left := deadline - loop.time()) > 0:
-            await asyncio.sleep(min(step, left))
-            new = [a for a in self._addresses() if a not in self._polled]
+    async def _poll_new(self, session: aiohttp.ClientSession) -> None:
+        """Beside the rounds (one that waits for a hung endpoint included): addresses not
+        polled yet, or ``unpolled``, are polled at once."""
+        assert self.new_address_seconds is not None
+        while True:
+            await asyncio.sleep(self.new_address_seconds)
+            new = [a for a in self._addresses() if a not in self._polled or a in self._eager]
             if new:
+                self._eager.difference_update(new)
                 self._polled.update(new)
                 await asyncio.gather(*(self._poll_and_record(session, a) for a in new))
 
     def unpolled(self, address: str) -> None:
-        """Poll ``address`` again soon, as a new one (``new_address_seconds``)."""
-        self._polled.discard(address)
+        """Poll ``address`` again at once, as a new one (``new_address_seconds``)."""
+        self._eager.add(address)
 
     async def poll_all(self, session: aiohttp.ClientSession) -> None:
         """One round: every endpoint polled at once, each answer recorded as it comes (an
         endpoint that hangs until the timeout holds back no other's)."""
         addresses = self._addresses()
         await asyncio.gather(*(self._poll_and_record(session, a) for a in addresses))
-        self.forget(self._polled - set(addresses))
-        self._polled = set(addresses)
+        current = set(self._addresses())
+        polled = self._polled | set(addresses)
+        self.forget(polled - current)
+        self._polled = polled & current
 
     async def _poll_and_record(self, session: aiohttp.ClientSession, address: str) -> None:
         result = await self.poll(session, address)

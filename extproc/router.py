@@ -254,7 +254,7 @@ class Router:
         self._largest_capacity = max(capacities, default=0)
         self._capacity_configured = configured
         self.index.set_endpoints(dict(zip(addresses, capacities, strict=True)))
-        self.models.set_endpoints([e.models for e in endpoints], keep)
+        self.models.set_endpoints(addresses, [e.models for e in endpoints], keep, self.clock())
 
     def observe_signals(
         self,
@@ -696,7 +696,7 @@ class Router:
         self._charges += 1
         step = 1.0 / min(self._charges, TYPICAL_WORK_REQUESTS)
         self._typical_work += (decision.work - self._typical_work) * step
-        self._in_flight[i] += 1
+        self._in_flight[i] += decision.engine_requests
 
     def _release_work(self, i: int, decision: Decision, now: float) -> float:
         """Take back what is left of the request's charge (FIFO: work queued before it
@@ -720,8 +720,7 @@ class Router:
         if not prefill_over and left > 0:
             rest = float(np.sum(self._detached_now(np.array([i]), now)))
             self._detached.set(i, rest + left, now, self.cost.drain_per_second)
-        if self._in_flight[i] > 0:
-            self._in_flight[i] -= 1
+        self._in_flight[i] = max(0, int(self._in_flight[i]) - decision.engine_requests)
         if self._in_flight[i] == 0:
             self._work[i] = 0.0
 
@@ -745,7 +744,7 @@ class Router:
         self._drain_all(now)
         usable = self._healthy
         # (NotRoutable: no endpoint serves it)
-        serving = self.models.eligible(request.model, self._healthy)
+        serving = self.models.eligible(request.model, self._healthy, now)
         if serving is not None:
             usable = usable & serving
         if allowed is not None:  # O(size of the hint), not O(endpoints)
@@ -794,13 +793,14 @@ class Router:
             turnless=not keyed_by_turns(request, cfg.cold_start_key),
         )
         decision.hashes = hashes
+        decision.engine_requests = request.engine_requests
         if decision.endpoint is not None:
             chosen = self._position[decision.endpoint]
             self._charge(chosen, decision, now)  # (first: it names the incarnation recorded at)
             decision.unrecorded = True
             if not defer_record:
                 self.record(decision)
-            self._sent[chosen] += request.engine_requests  # (what the server counts)
+            self._sent[chosen] += decision.engine_requests  # (what the server counts)
             if decision.cold_start and cfg.balance_cold_starts:
                 self._placed *= 1.0 - 1.0 / BALANCE_COLD_STARTS
                 self._placed[chosen] += decision.work

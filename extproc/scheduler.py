@@ -330,6 +330,9 @@ class Decision:
     cold_start: bool = False
     # The blocks wait to be entered in the index as held at ``endpoint`` (Router.record).
     unrecorded: bool = False
+    # Requests the server runs for it (n samples; LLMRequest.engine_requests): what it
+    # counts in flight, as the server's running and waiting gauges do.
+    engine_requests: int = 1
     ranking: _Ranking | None = None
 
     def explain(self, top_k: int | None = None) -> dict[str, Any]:

@@ -284,7 +284,11 @@ class RouterService:
 
     def _on_endpoints(self, endpoints: list[EndpointConfig]) -> None:
         """Discovery changed the endpoint set: removed endpoints' index entries are dropped."""
+        before = set(self.router.endpoints)
         self.router.set_endpoints(endpoints)
+        for endpoint in endpoints:
+            if endpoint.address not in before:  # (a pod back from not-ready too)
+                self.model_lister.read_again(endpoint.address)
         log.info("endpoints now: %s", ", ".join(e.address for e in endpoints) or "(none)")
         task = asyncio.get_running_loop().create_task(self._set_serving(bool(endpoints)))
         self._background.add(task)
@@ -636,7 +640,8 @@ def run(args: argparse.Namespace) -> int:
     if not config.endpoints and config.discovery.kind == "static":
         log.warning("no endpoints configured: every routable request will get a 503")
     try:  # fail fast, before any worker starts: the model lists' key must be there
-        auth_headers(config.models)
+        if config.models.enabled:
+            auth_headers(config.models)
     except ConfigError as exc:
         print(f"prefix-router: invalid configuration\n{exc}", file=sys.stderr)
         return 2

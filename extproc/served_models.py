@@ -76,7 +76,7 @@ class ModelLister(EndpointPoller["frozenset[str] | None"]):
     ) -> None:
         super().__init__(addresses, config.interval_seconds, config.timeout_seconds)
         self.config = config
-        self._headers = auth_headers(config)
+        self._headers = auth_headers(config) if config.enabled else {}
         self._on_models = on_models
         self.latest: dict[str, frozenset[str] | None] = {}
 
@@ -95,8 +95,8 @@ class ModelLister(EndpointPoller["frozenset[str] | None"]):
             self.latest.pop(address, None)
 
     def read_again(self, address: str) -> None:
-        """Its server restarted (adapters loaded at run time are gone): read it as new."""
-        self.latest.pop(address, None)
+        """Read its list at once (its server restarted: adapters loaded at run time are
+        gone; or it was just added); the last list stands until a read succeeds."""
         self.unpolled(address)
 
     def record(self, address: str, models: frozenset[str] | None) -> None:

@@ -255,3 +255,114 @@ def test_serve_refuses_to_start_without_the_named_key(capsys: pytest.CaptureFixt
     )
     assert code == 2
     assert "models.api_key_env" in capsys.readouterr().err
+
+
+def test_a_model_whose_servers_all_left_gets_no_endpoint_and_a_returning_one_its_list():
+    """With discovery a not-ready pod leaves the endpoint set: its model then has no
+    endpoint (the router's 503, which clients retry) for REMEMBER_SECONDS, not another
+    model's servers (their 404); the pod back starts with its last list."""
+    from extproc.model_pools import REMEMBER_SECONDS
+
+    clock = [0.0]
+    router = Router(
+        RoutingConfig(), [EndpointConfig(address=a) for a in A + B], clock=lambda: clock[0]
+    )
+    for address in A:
+        router.observe_models(address, frozenset({"a"}))
+    router.observe_models(B[0], frozenset({"b"}))
+    router.set_endpoints([EndpointConfig(address=a) for a in A])  # B not ready
+    decision = router.route(chat("b", "where now? " * 30))
+    assert decision.endpoint is None  # the 503, not pool a's 404
+    router.set_endpoints([EndpointConfig(address=a) for a in A + B])  # back
+    assert router.served_models()[B[0]] == frozenset({"b"})
+    assert _placed(router, "b") == set(B)
+    router.set_endpoints([EndpointConfig(address=a) for a in A])
+    clock[0] = REMEMBER_SECONDS + 1  # long gone: a model no list names, one list left
+    assert _placed(router, "b") == set(A)
+
+
+async def test_an_endpoint_read_again_during_a_round_held_up_by_a_hung_one_is_read_at_once():
+    """A round waits for its slowest read (a hung endpoint: the timeout); an endpoint to
+    read at once (just added, or its server restarted) is read meanwhile, not after it."""
+    from aiohttp import web
+
+    from extproc.fake_replica import ReplicaSettings, start_replica
+
+    runner, port = await start_replica(ReplicaSettings(name="r", model="a", port=0))
+    hung_app = web.Application()
+
+    async def hang(_: web.Request) -> web.Response:
+        await asyncio.sleep(30)
+        return web.Response()
+
+    hung_app.router.add_get("/v1/models", hang)
+    hung = web.AppRunner(hung_app, shutdown_timeout=0.1)
+    await hung.setup()
+    site = web.TCPSite(hung, "127.0.0.1", 0)
+    await site.start()
+    hung_address = f"127.0.0.1:{hung.addresses[0][1]}"
+    address = f"127.0.0.1:{port}"
+    cfg = load_config(
+        None, {"models.interval_seconds": 10.0, "models.timeout_seconds": 3.0}, environ={}
+    )
+    told: list[tuple[str, float]] = []
+    loop = asyncio.get_running_loop()
+    lister = ModelLister(
+        cfg.models, lambda: [address, hung_address], lambda a, m: told.append((a, loop.time()))
+    )
+    lister.start()
+    try:
+        for _ in range(40):
+            if told:
+                break
+            await asyncio.sleep(0.05)
+        assert [a for a, _ in told] == [address]  # the round still waits for the hung one
+        asked = loop.time()
+        lister.read_again(address)
+        for _ in range(40):
+            if len(told) == 2:
+                break
+            await asyncio.sleep(0.05)
+        assert told[1][0] == address and told[1][1] - asked < 0.5, told
+    finally:
+        await lister.stop()
+        await runner.cleanup()
+        await hung.cleanup()
+
+
+async def test_an_endpoint_discovery_brings_back_is_read_again_at_once():
+    from extproc.fake_replica import ReplicaSettings, start_replica
+    from extproc.serve import RouterService
+
+    runner, port = await start_replica(ReplicaSettings(name="r", model="a", port=0))
+    address = f"127.0.0.1:{port}"
+    cfg = load_config(
+        overrides={
+            "server.listen": "127.0.0.1:0",
+            "server.admin_listen": "",
+            "endpoints": address,
+            "health.enabled": False,
+            "signals.enabled": False,
+            "models.interval_seconds": 30.0,
+        },
+        environ={},
+    )
+    svc = RouterService(cfg)
+    await svc.start()
+    try:
+        for _ in range(40):
+            if svc.router.served_models()[address]:
+                break
+            await asyncio.sleep(0.05)
+        reads = []
+        svc.model_lister._on_models = lambda a, m: reads.append(a)
+        svc._on_endpoints([])
+        svc._on_endpoints([EndpointConfig(address=address)])  # within one check: not "new"
+        for _ in range(20):
+            if reads:
+                break
+            await asyncio.sleep(0.05)
+        assert reads == [address]
+    finally:
+        await svc.stop(0)
+        await runner.cleanup()

@@ -1525,3 +1525,21 @@ def test_a_start_time_that_vanishes_is_another_process():
     assert router.index.match(first.hashes, [first.endpoint])
     router.observe_signals(first.endpoint, True, 0, 0, tells_restarts=False)
     assert router.index.match(first.hashes, [first.endpoint]) == {}
+
+
+def test_n_samples_in_flight_are_not_read_as_another_routers_load():
+    """vLLM reports a request with n=3 as 3 running: counted once in flight, the other 2
+    read as other routers' requests (load and unseen queued work) on a router alone."""
+    router = Router(RoutingConfig(), ENDPOINTS)
+    decisions = []
+    for i in range(8):
+        body = {"model": "m", "messages": [{"role": "user", "content": f"c{i} " * 30}], "n": 3}
+        decisions.append(router.route(parse_request("chat", orjson.dumps(body))))
+    running = Counter(d.endpoint for d in decisions)
+    for address in router.endpoints:  # what vLLM reports: 3 running per request
+        router.observe_signals(address, True, running=3 * running[address], waiting=0)
+    assert sum(router.in_flight().values()) == 24
+    assert not router._others_load.any()
+    for decision in decisions:
+        router.finish(decision)
+    assert sum(router.in_flight().values()) == 0
