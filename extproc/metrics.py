@@ -266,11 +266,14 @@ class RouterMetrics:
             self.own_placed_work.labels(router.instance, address).set(placed[address])
         # A removed endpoint's last figures must not stay exported: peers would count them,
         # undrained, for as long as they read them (e.g. after the address comes back).
+        workers = bool(os.environ.get(MULTIPROC_ENV))
         for address in self._own_exported - own.keys():
             for gauge_ in (self.own_queued_work, self.own_placed_work):
-                # Zero first: with --workers the value lives on in the worker's mmap file.
+                # Zero first: with --workers the value lives on in the worker's mmap file
+                # (and prometheus_client cannot remove it there: it warns on every try).
                 gauge_.labels(router.instance, address).set(0.0)
-                gauge_.remove(router.instance, address)
+                if not workers:
+                    gauge_.remove(router.instance, address)
         self._own_exported = set(own)
         for address, work in router.peer_placed_work().items():
             self.peer_placed_work.labels(address).set(work)
@@ -287,7 +290,6 @@ class RouterMetrics:
         }
         for pair in served - self._models_exported:
             self.endpoint_model.labels(*pair).set(1)
-        workers = bool(os.environ.get(MULTIPROC_ENV))
         for pair in self._models_exported - served:
             if workers:  # (the value lives on in the worker's mmap file)
                 self.endpoint_model.labels(*pair).set(0)
