@@ -44,6 +44,7 @@ from extproc.hashing import block_hashes, root_hash
 from extproc.model_fixture import BOS, CHAT_TEMPLATE, DATED_CHAT_TEMPLATE, SPECIAL_TOKENS
 from extproc.prompt import parse_request
 from extproc.router import Router
+from extproc.serve import RouterService
 
 MODEL = "tiny"
 BLOCK = 64  # the router's block size in bytes
@@ -1380,27 +1381,34 @@ async def test_a_restart_the_metrics_show_starts_the_events_over(
         context.term()
 
 
-async def test_the_service_hands_a_restart_its_metrics_show_to_the_subscriber(
-    tmp_path: Path, translation: Translation, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    from extproc.serve import RouterService
-    from extproc.signals import EndpointSignals
-
-    endpoint = "127.0.0.1:8002"
+def _events_service(
+    tmp_path: Path, translation: Translation, endpoints: str, **settings: object
+) -> RouterService:
+    """A router service (not started: no ports) reading KV-cache events of ``endpoints``."""
     config = load_config(
         None,
         {
             "server.listen": "127.0.0.1:0",
             "server.admin_listen": "",
-            "endpoints": endpoint,
+            "endpoints": endpoints,
             "health.enabled": False,
             "cache_events.publisher": f"ipc://{tmp_path}/kv-{{port}}.ipc",
             "cache_events.model_dir": str(tmp_path),
             "cache_events.model": MODEL,
+            **settings,
         },
         environ={},
     )
-    service = RouterService(config, translation=translation)
+    return RouterService(config, translation=translation)
+
+
+async def test_the_service_hands_a_restart_its_metrics_show_to_the_subscriber(
+    tmp_path: Path, translation: Translation, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from extproc.signals import EndpointSignals
+
+    endpoint = "127.0.0.1:8002"
+    service = _events_service(tmp_path, translation, endpoint)
     assert service.cache_events is not None
     told: list[str] = []
     monkeypatch.setattr(
@@ -1424,25 +1432,12 @@ async def test_a_restart_the_sequence_told_first_is_not_told_again_by_the_metric
     read since are the new server's, so the metrics' news keeps them (emptied again, up to
     a scrape interval of them were lost and the restart counted twice). A restart after
     the one the sequence told still empties the endpoint's index."""
-    from extproc.serve import RouterService
     from extproc.signals import EndpointSignals
 
     endpoint = "127.0.0.1:8002"
-    config = load_config(
-        None,
-        {
-            "server.listen": "127.0.0.1:0",
-            "server.admin_listen": "",
-            "endpoints": endpoint,
-            "health.enabled": False,
-            "routing.block_size_bytes": BLOCK,
-            "cache_events.publisher": f"ipc://{tmp_path}/kv-{{port}}.ipc",
-            "cache_events.model_dir": str(tmp_path),
-            "cache_events.model": MODEL,
-        },
-        environ={},
+    service = _events_service(
+        tmp_path, translation, endpoint, **{"routing.block_size_bytes": BLOCK}
     )
-    service = RouterService(config, translation=translation)
     subscriber = service.cache_events
     assert subscriber is not None
     subscriber.tables[endpoint] = EndpointCacheEvents(translation)
@@ -1487,23 +1482,8 @@ async def test_events_are_read_only_from_the_pool_of_their_model(
 ) -> None:
     """With several model pools behind the router, another model's servers (another
     tokeniser) are not subscribed to; those whose models are not known yet still are."""
-    from extproc.serve import RouterService
-
     pool, other, unknown = "127.0.0.1:8001", "127.0.0.1:8002", "127.0.0.1:8003"
-    config = load_config(
-        None,
-        {
-            "server.listen": "127.0.0.1:0",
-            "server.admin_listen": "",
-            "endpoints": f"{pool},{other},{unknown}",
-            "health.enabled": False,
-            "cache_events.publisher": f"ipc://{tmp_path}/kv-{{port}}.ipc",
-            "cache_events.model_dir": str(tmp_path),
-            "cache_events.model": MODEL,
-        },
-        environ={},
-    )
-    service = RouterService(config, translation=translation)
+    service = _events_service(tmp_path, translation, f"{pool},{other},{unknown}")
     try:
         service.router.observe_models(pool, frozenset({MODEL, "a-lora"}))
         service.router.observe_models(other, frozenset({"another-model"}))

@@ -12,6 +12,7 @@ import pytest
 from extproc.config import ConfigError, EndpointConfig, RoutingConfig, load_config
 from extproc.prompt import NotRoutable, parse_request
 from extproc.router import Router
+from extproc.serve import RouterService
 from extproc.served_models import ModelLister, parse_model_list
 
 A = [f"10.0.0.{i}:8000" for i in (1, 2)]
@@ -103,35 +104,45 @@ def test_model_lists_are_parsed_strictly():
             parse_model_list(bad)
 
 
+async def _started_service(endpoints: str, models_interval: float) -> RouterService:
+    """A started router service (no admin port, probes and scrapes off) reading the model
+    lists of ``endpoints`` every ``models_interval`` seconds."""
+    cfg = load_config(
+        overrides={
+            "server.listen": "127.0.0.1:0",
+            "server.admin_listen": "",
+            "endpoints": endpoints,
+            "health.enabled": False,
+            "signals.enabled": False,
+            "models.interval_seconds": models_interval,
+        },
+        environ={},
+    )
+    svc = RouterService(cfg)
+    await svc.start()
+    return svc
+
+
+async def _wait_for(condition, tries: int = 50) -> None:
+    for _ in range(tries):
+        if condition():
+            return
+        await asyncio.sleep(0.05)
+
+
 async def test_the_lister_reads_real_model_lists_and_the_service_routes_by_them():
     """Stand-in replicas (the vLLM-shaped /v1/models) of two models behind one router
     service: once their lists are read, each model's requests reach only its replicas."""
     from extproc.fake_replica import ReplicaSettings, start_replica
-    from extproc.serve import RouterService
 
     runners, addresses = [], {}
     for name, model in (("r1", "a"), ("r2", "a"), ("r3", "b")):
         runner, port = await start_replica(ReplicaSettings(name=name, model=model, port=0))
         runners.append(runner)
         addresses[f"127.0.0.1:{port}"] = model
-    cfg = load_config(
-        overrides={
-            "server.listen": "127.0.0.1:0",
-            "server.admin_listen": "",
-            "endpoints": ",".join(addresses),
-            "health.enabled": False,
-            "signals.enabled": False,
-            "models.interval_seconds": 0.1,
-        },
-        environ={},
-    )
-    svc = RouterService(cfg)
-    await svc.start()
+    svc = await _started_service(",".join(addresses), 0.1)
     try:
-        for _ in range(50):
-            if all(svc.router.served_models().values()):
-                break
-            await asyncio.sleep(0.05)
+        await _wait_for(lambda: all(svc.router.served_models().values()))
         assert svc.router.served_models() == {a: frozenset({m}) for a, m in addresses.items()}
         for model in ("a", "b"):
             pool = {a for a, m in addresses.items() if m == model}
@@ -190,16 +201,10 @@ async def test_a_new_endpoint_and_a_restarted_one_are_read_at_once():
     try:
         await asyncio.sleep(0.2)  # the first round: nothing to read
         addresses.append(address)
-        for _ in range(40):
-            if told:
-                break
-            await asyncio.sleep(0.05)
+        await _wait_for(lambda: told, 40)
         assert told == [(address, frozenset({"a"}))]
         lister.read_again(address)
-        for _ in range(40):
-            if len(told) == 2:
-                break
-            await asyncio.sleep(0.05)
+        await _wait_for(lambda: len(told) == 2, 40)
         assert told[1:] == [(address, frozenset({"a"}))]
     finally:
         await lister.stop()
@@ -226,10 +231,7 @@ async def test_lists_behind_an_api_key_are_read_with_the_key_from_the_environmen
         lister = ModelLister(cfg.models, lambda: [address], lambda a, m: told.append(m))
         lister.start()
         try:
-            for _ in range(40):
-                if told:
-                    break
-                await asyncio.sleep(0.05)
+            await _wait_for(lambda: told, 40)
         finally:
             await lister.stop()
         return told
@@ -312,17 +314,11 @@ async def test_an_endpoint_read_again_during_a_round_held_up_by_a_hung_one_is_re
     )
     lister.start()
     try:
-        for _ in range(40):
-            if told:
-                break
-            await asyncio.sleep(0.05)
+        await _wait_for(lambda: told, 40)
         assert [a for a, _ in told] == [address]  # the round still waits for the hung one
         asked = loop.time()
         lister.read_again(address)
-        for _ in range(40):
-            if len(told) == 2:
-                break
-            await asyncio.sleep(0.05)
+        await _wait_for(lambda: len(told) == 2, 40)
         assert told[1][0] == address and told[1][1] - asked < 0.5, told
     finally:
         await lister.stop()
@@ -332,36 +328,17 @@ async def test_an_endpoint_read_again_during_a_round_held_up_by_a_hung_one_is_re
 
 async def test_an_endpoint_discovery_brings_back_is_read_again_at_once():
     from extproc.fake_replica import ReplicaSettings, start_replica
-    from extproc.serve import RouterService
 
     runner, port = await start_replica(ReplicaSettings(name="r", model="a", port=0))
     address = f"127.0.0.1:{port}"
-    cfg = load_config(
-        overrides={
-            "server.listen": "127.0.0.1:0",
-            "server.admin_listen": "",
-            "endpoints": address,
-            "health.enabled": False,
-            "signals.enabled": False,
-            "models.interval_seconds": 30.0,
-        },
-        environ={},
-    )
-    svc = RouterService(cfg)
-    await svc.start()
+    svc = await _started_service(address, 30.0)
     try:
-        for _ in range(40):
-            if svc.router.served_models()[address]:
-                break
-            await asyncio.sleep(0.05)
+        await _wait_for(lambda: svc.router.served_models()[address])
         reads = []
         svc.model_lister._on_models = lambda a, m: reads.append(a)
         svc._on_endpoints([])
         svc._on_endpoints([EndpointConfig(address=address)])  # within one check: not "new"
-        for _ in range(20):
-            if reads:
-                break
-            await asyncio.sleep(0.05)
+        await _wait_for(lambda: reads, 20)
         assert reads == [address]
     finally:
         await svc.stop(0)

@@ -36,6 +36,23 @@ def _wait_for(condition, seconds: float) -> bool:
     return False
 
 
+def _start_conversations(stack: Stack, rig) -> tuple[dict[int, str], str, str, float]:
+    """12 conversations' first turns: (their homes, the replica most are at, its address,
+    its index entries once the gauges refreshed)."""
+    names = {f"replica-{i + 1}": a for i, a in enumerate(stack.replicas)}
+    homes: dict[int, str] = {}
+    for c in range(12):
+        response = rig.send(chat(c, 0))
+        assert response.status == 200
+        homes[c] = response.replica
+    victim = max(set(homes.values()), key=list(homes.values()).count)
+    address = names[victim]
+    time.sleep(1.2)  # gauges refresh every second
+    held = _gauge(rig, "prefix_router_index_entries", address)
+    assert held > 0
+    return homes, victim, address, held
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(
     ("mode", "start_time"),
@@ -44,18 +61,8 @@ def _wait_for(condition, seconds: float) -> bool:
 def test_dead_replica_is_avoided_forgotten_and_used_again_when_back(mode, start_time):
     with Stack() as stack:
         members = stack.start_replicas(3, FAST if start_time else [*FAST, "--no-start-time"])
-        names = {f"replica-{i + 1}": a for i, a in enumerate(members)}
         rig = start_rig(stack, mode, "buffered", members)
-        homes: dict[int, str] = {}
-        for c in range(12):
-            response = rig.send(chat(c, 0))
-            assert response.status == 200
-            homes[c] = response.replica
-        victim = max(set(homes.values()), key=list(homes.values()).count)
-        address = names[victim]
-        time.sleep(1.2)  # gauges refresh every second
-        assert _gauge(rig, "prefix_router_index_entries", address) > 0
-
+        homes, victim, address, _ = _start_conversations(stack, rig)
         proc = stack.process(victim)
         proc.signal(signal.SIGKILL)
         proc.process.wait(5)
@@ -125,18 +132,8 @@ def test_a_stalled_replica_keeps_its_index_and_its_conversations():
     time did not change, what it held was kept; its conversations come back to it."""
     with Stack() as stack:
         members = stack.start_replicas(3, FAST)
-        names = {f"replica-{i + 1}": a for i, a in enumerate(members)}
         rig = start_rig(stack, "override-host", "buffered", members)
-        homes: dict[int, str] = {}
-        for c in range(12):
-            response = rig.send(chat(c, 0))
-            assert response.status == 200
-            homes[c] = response.replica
-        victim = max(set(homes.values()), key=list(homes.values()).count)
-        address = names[victim]
-        time.sleep(1.2)  # gauges refresh every second
-        held = _gauge(rig, "prefix_router_index_entries", address)
-        assert held > 0
+        homes, victim, address, held = _start_conversations(stack, rig)
         proc = stack.process(victim)
         proc.signal(signal.SIGSTOP)
         stopped = time.monotonic()
