@@ -313,7 +313,10 @@ def test_two_routers_read_their_share_while_vllm_still_runs_their_requests(
     running + waiting gauges (Router._arrivals). Read from finished requests alone, each
     would still be at 1 (its 12 sent against at most 12 finished): a router alone. The
     share is checked against what each router routed (counted as its requests end), as in
-    the test above: Envoy may pass a request on without a router on a starved machine."""
+    the test above: Envoy may pass a request on without a router on a starved machine.
+    (With 1,024-token answers, read every 0.5 s, a fresh-clone run missed the window: one
+    router read its share at 0 finished, the other only after the first server's 12 had
+    finished together; the answers are now 2,048 tokens and the readings every 0.25 s.)"""
     sent = 24
     with _two_peer_routers(vllm_endpoints) as (_, envoys, admin, finished_before):
         names = list(envoys)
@@ -321,13 +324,13 @@ def test_two_routers_read_their_share_while_vllm_still_runs_their_requests(
         seen = []  # (requests vLLM finished, each router's share)
         with ThreadPoolExecutor(sent) as pool:
             answers = [
-                pool.submit(_answer, f"{LOOPBACK}:{envoys[names[i % 2]]}", 1000 + i, 1024)
+                pool.submit(_answer, f"{LOOPBACK}:{envoys[names[i % 2]]}", 1000 + i, 2048)
                 for i in range(sent)
             ]
             deadline = time.monotonic() + 180
             while not all(a.done() for a in answers):
                 assert time.monotonic() < deadline, seen
-                time.sleep(0.5)
+                time.sleep(0.25)
                 finished = _prefills(vllm_endpoints) - finished_before
                 readings = {name: _router_reading(port) for name, port in admin.items()}
                 shares = {n: r.get("prefix_router_traffic_share", 1) for n, r in readings.items()}
