@@ -194,13 +194,12 @@ class RouterService:
         if not self.router.is_member(address):
             return  # a scrape that was under way when the endpoint was removed
         self.metrics.record_signals(address, signals)
-        if signals.restarted and (
-            self.cache_events is None or self.cache_events.restarted(address, signals.started)
-        ):  # (not if the events' sequence told it first: their table holds the new server's)
-            self.router.restarted(address)
-            self.metrics.endpoint_restarts.labels(address).inc()
-        if signals.restarted:  # (adapters loaded at run time are gone with the old process)
-            self.model_lister.read_again(address)
+        if signals.restarted:
+            self.model_lister.unpolled(address)  # (adapters loaded at run time are gone)
+            # Not if the events' sequence told it first: their table holds the new server's.
+            if self.cache_events is None or self.cache_events.restarted(address, signals.started):
+                self.router.restarted(address)
+                self.metrics.endpoint_restarts.labels(address).inc()
         capacity = (
             signals.block_size * signals.num_blocks
             if signals.block_size and signals.num_blocks
@@ -288,7 +287,7 @@ class RouterService:
         self.router.set_endpoints(endpoints)
         for endpoint in endpoints:
             if endpoint.address not in before:  # (a pod back from not-ready too)
-                self.model_lister.read_again(endpoint.address)
+                self.model_lister.unpolled(endpoint.address)
         log.info("endpoints now: %s", ", ".join(e.address for e in endpoints) or "(none)")
         task = asyncio.get_running_loop().create_task(self._set_serving(bool(endpoints)))
         self._background.add(task)

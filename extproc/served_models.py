@@ -60,10 +60,11 @@ def auth_headers(config: ModelsConfig, environ: Mapping[str, str] = os.environ) 
 
 
 class ModelLister(EndpointPoller["frozenset[str] | None"]):
-    """Reads every endpoint's model list on a timer, a new endpoint's at once;
-    ``on_models(address, ids)`` gets each answer, None where any model may go there (its
-    list empty, too long, or unreadable; a failed read after a good one keeps the last list:
-    an overloaded server still serves what it served)."""
+    """Reads every endpoint's model list on a timer, and at once a new endpoint's or one
+    ``unpolled`` (its server restarted, or discovery brought it back); ``on_models(address,
+    ids)`` gets each answer, None where any model may go there (its list empty, too long, or
+    unreadable; a failed read after a good one keeps the last list: an overloaded server
+    still serves what it served)."""
 
     task_name = "endpoint-models"
     new_address_seconds = NEW_ENDPOINT_SECONDS
@@ -94,25 +95,19 @@ class ModelLister(EndpointPoller["frozenset[str] | None"]):
         for address in gone:
             self.latest.pop(address, None)
 
-    def read_again(self, address: str) -> None:
-        """Read its list at once (its server restarted: adapters loaded at run time are
-        gone; or it was just added); the last list stands until a read succeeds."""
-        self.unpolled(address)
-
     def record(self, address: str, models: frozenset[str] | None) -> None:
         previous = self.latest.get(address)
         if models is None and previous is not None:
             return  # keep the last list read
         if models is not None and not models:
             models = None  # empty or too long: any model
-        if models != previous or address not in self.latest:
-            if models is None:
-                log.warning(
-                    "the model list of %s could not be read (%s): any model may go there",
-                    address,
-                    self.config.path,
-                )
-            else:
-                log.info("%s serves %s", address, ", ".join(sorted(models)))
+        # (The router logs each list it takes: only why there is none is said here.)
+        if models is None and (previous is not None or address not in self.latest):
+            log.warning(
+                "the model list of %s (%s) could not be read, or names none or too many: "
+                "any model may go there",
+                address,
+                self.config.path,
+            )
         self.latest[address] = models
         self._on_models(address, models)

@@ -203,7 +203,7 @@ async def test_a_new_endpoint_and_a_restarted_one_are_read_at_once():
         addresses.append(address)
         await _wait_for(lambda: told, 40)
         assert told == [(address, frozenset({"a"}))]
-        lister.read_again(address)
+        lister.unpolled(address)
         await _wait_for(lambda: len(told) == 2, 40)
         assert told[1:] == [(address, frozenset({"a"}))]
     finally:
@@ -317,7 +317,7 @@ async def test_an_endpoint_read_again_during_a_round_held_up_by_a_hung_one_is_re
         await _wait_for(lambda: told, 40)
         assert [a for a, _ in told] == [address]  # the round still waits for the hung one
         asked = loop.time()
-        lister.read_again(address)
+        lister.unpolled(address)
         await _wait_for(lambda: len(told) == 2, 40)
         assert told[1][0] == address and told[1][1] - asked < 0.5, told
     finally:
