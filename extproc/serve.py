@@ -197,7 +197,8 @@ class RouterService:
         if signals.restarted:
             self.model_lister.unpolled(address)  # (adapters loaded at run time are gone)
             # Not if the events' sequence told it first: their table holds the new server's.
-            if self.cache_events is None or self.cache_events.restarted(address, signals.started):
+            events = self.cache_events
+            if events is None or events.restarted(address, signals.started_after):
                 self.router.restarted(address)
                 self.metrics.endpoint_restarts.labels(address).inc()
         capacity = (
@@ -214,7 +215,7 @@ class RouterService:
             capacity,
             prefill_window=signals.window_prefill,
             counts_finished=signals.prefills is not None,
-            tells_restarts=signals.started is not None,
+            tells_restarts=signals.tells_restarts,
         )
 
     def _on_peer_placements(self, placements: list[Placement]) -> None:

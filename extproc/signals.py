@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -40,6 +41,10 @@ _MEAN_FIELDS = frozenset({"kv_usage"})
 # The server process's start (Prometheus' process collector): a new value is a restart, after
 # which the counters start over, even where they already exceed the last ones read.
 _STARTED = "process_start_time_seconds"
+# Start times this close are one process: a collector that derives the start from the boot
+# time on every scrape (Go's client_golang, #289) reads it a second apart now and then, while
+# a restarted model server loads its model for far longer before it answers a scrape.
+START_TIME_TOLERANCE_SECONDS = 2.0
 _COUNTERS = {
     "vllm:prefix_cache_hits_total": "hits",
     "vllm:prefix_cache_queries_total": "queries",
@@ -70,7 +75,22 @@ class EndpointSignals:
     # scrape; None when there were none (each window is reported once).
     window_prefill: tuple[float, float, float] | None = None
     started: float | None = None  # the server process's start, seconds since the epoch
-    restarted: bool = False  # its start changed since the last scrape: its cache is empty
+    restarted: bool = False  # its server restarted since the last reading: its cache is empty
+    # When the counters above were read (Unix time; a failed scrape keeps the last ones).
+    read_at: float | None = None
+    # Restarted: the new server started no earlier than this (its start time, or else when
+    # the old one was last read), for telling a restart the KV-cache events told already.
+    started_after: float | None = None
+
+    @property
+    def tells_restarts(self) -> bool:
+        """A restart would show in the next reading: another start time, or counters that
+        start over below these (vLLM with several API server processes exports no start
+        time). An endpoint whose metrics tell restarts keeps its index while it misses
+        probes (``Router.set_health``)."""
+        return self.started is not None or any(
+            (value or 0) > 0 for value in (self.queries, self.prefills)
+        )
 
 
 _CONFIG_INFO = "vllm:cache_config_info"
@@ -136,6 +156,7 @@ class MetricsScraper(EndpointPoller[EndpointSignals]):
         self._on_update = on_update
         self.path = path
         self.latest: dict[str, EndpointSignals] = {}
+        self.clock: Callable[[], float] = time.time  # (wall clock: start times are Unix time)
 
     async def poll(self, session: aiohttp.ClientSession, address: str) -> EndpointSignals:
         signals = await fetch_parsed(session, f"http://{address}{self.path}", parse_metrics)
@@ -162,15 +183,13 @@ class MetricsScraper(EndpointPoller[EndpointSignals]):
                 signals.prefills = previous.prefills
                 signals.prefill_tokens = previous.prefill_tokens
                 signals.started = previous.started
-            # (vLLM with several API server processes exports no start time at all: its
-            # multiprocess registry has no process collector, so scrapes answered by
-            # different processes do not read as restarts.)
-            # (Any other start time is another process: an earlier one too, e.g. another
-            # server at the address.)
-            restarted = None not in (previous.started, signals.started) and (
-                signals.started != previous.started
-            )
+                signals.read_at = previous.read_at
+            restarted = signals.up and _restarted(previous, signals)
             signals.restarted = restarted
+            if restarted:
+                signals.started_after = (
+                    previous.read_at if signals.started is None else signals.started
+                )
             if not restarted:
                 signals.window_prefill = prefill_window(previous, signals)
             if (
@@ -185,8 +204,32 @@ class MetricsScraper(EndpointPoller[EndpointSignals]):
                 signals.window_hit_ratio = (signals.hits - previous.hits) / (
                     signals.queries - previous.queries
                 )
+        if signals.up:
+            signals.read_at = self.clock()
         self.latest[address] = signals
         self._on_update(address, signals)
+
+
+def _restarted(previous: EndpointSignals, current: EndpointSignals) -> bool:
+    """Whether the server answering now is another process than the one read before.
+    Another start time is (an earlier one too: another server at the address); a start
+    time gone is (vLLM brought back with several API server processes exports none, and
+    nothing says its cache is the old one's); without start times, counters that went down
+    are (vLLM with several API servers: its multiprocess registry has no process collector,
+    so scrapes answered by different processes are still one server)."""
+    if previous.started is not None:
+        if current.started is None:
+            return True
+        return abs(current.started - previous.started) > START_TIME_TOLERANCE_SECONDS
+    return any(
+        before is not None and after is not None and after < before
+        for before, after in (
+            (previous.queries, current.queries),
+            (previous.hits, current.hits),
+            (previous.prefills, current.prefills),
+            (previous.prefill_tokens, current.prefill_tokens),
+        )
+    )
 
 
 def prefill_window(

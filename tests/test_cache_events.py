@@ -1415,24 +1415,33 @@ async def test_the_service_hands_a_restart_its_metrics_show_to_the_subscriber(
         service.cache_events, "restarted", lambda endpoint, started: told.append(endpoint) or True
     )
     try:
-        service.scraper.record(endpoint, EndpointSignals(up=True, started=1.0))
-        service.scraper.record(endpoint, EndpointSignals(up=True, started=1.0))
+        service.scraper.record(endpoint, EndpointSignals(up=True, started=1000.0))
+        service.scraper.record(endpoint, EndpointSignals(up=True, started=1000.0))
         assert told == []
-        service.scraper.record(endpoint, EndpointSignals(up=True, started=2.0))
+        service.scraper.record(endpoint, EndpointSignals(up=True, started=2000.0))
         assert told == [endpoint]
     finally:
         await service.cache_events.stop()
 
 
+@pytest.mark.parametrize("told_by", ["start time", "counters"])
 async def test_a_restart_the_sequence_told_first_is_not_told_again_by_the_metrics(
-    tmp_path: Path, translation: Translation
+    tmp_path: Path, translation: Translation, told_by: str
 ) -> None:
     """The events' sequence started over (the new server's first messages read) before a
-    scrape showed the new process start time: the restart was handled then, and the blocks
-    read since are the new server's, so the metrics' news keeps them (emptied again, up to
-    a scrape interval of them were lost and the restart counted twice). A restart after
-    the one the sequence told still empties the endpoint's index."""
+    scrape showed the new process start time (or, without one, counters that went down):
+    the restart was handled then, and the blocks read since are the new server's, so the
+    metrics' news keeps them (emptied again, up to a scrape interval of them were lost and
+    the restart counted twice). A restart after the one the sequence told still empties
+    the endpoint's index."""
     from extproc.signals import EndpointSignals
+
+    def reading(started: float, queries: float, at: float) -> EndpointSignals:
+        """The server started at ``started`` and scraped at ``at``: ``queries`` so far."""
+        service.scraper.clock = lambda: at
+        if told_by == "start time":
+            return EndpointSignals(up=True, started=started, queries=queries)
+        return EndpointSignals(up=True, queries=queries)
 
     endpoint = "127.0.0.1:8002"
     service = _events_service(
@@ -1452,7 +1461,8 @@ async def test_a_restart_the_sequence_told_first_is_not_told_again_by_the_metric
         return [b"kv", sequence.to_bytes(8, "big"), msgspec.msgpack.encode([0.0, payload, 0])]
 
     try:
-        service.scraper.record(endpoint, EndpointSignals(up=True, started=100.0))
+        service.scraper.record(endpoint, reading(100.0, 0.0, 101.0))
+        service.scraper.record(endpoint, reading(100.0, 90_000.0, 981.0))  # last read
         expected = None
         for sequence in range(4):  # the old server's
             expected = await subscriber.handle(endpoint, frames(sequence, [old]), expected)
@@ -1463,14 +1473,16 @@ async def test_a_restart_the_sequence_told_first_is_not_told_again_by_the_metric
         held = service.router.index.match(hashes, [endpoint])
         assert held.get(endpoint, 0) >= len(hashes) - 1, held
         stored = len(subscriber.tables[endpoint])
-        service.scraper.record(endpoint, EndpointSignals(up=True, started=990.0))
+        service.scraper.record(endpoint, reading(990.0, 64.0, 1_001.0))
+        assert service.scraper.latest[endpoint].restarted
         assert service.router.index.match(hashes, [endpoint]) == held
         expected = await subscriber.handle(endpoint, frames(expected or 0, []), expected)
         assert len(subscriber.tables[endpoint]) == stored
         assert endpoint not in subscriber._restarted  # the next message does not clear it
         assert subscriber.counts[endpoint, "restarts"] == 1
         # Restarted again, after that; its new sequence not yet read: the metrics tell it.
-        service.scraper.record(endpoint, EndpointSignals(up=True, started=1_010.0))
+        service.scraper.record(endpoint, reading(990.0, 9_000.0, 1_003.0))
+        service.scraper.record(endpoint, reading(1_010.0, 64.0, 1_011.0))
         assert service.router.index.match(hashes, [endpoint]) == {}
         assert endpoint in subscriber._restarted
     finally:

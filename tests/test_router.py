@@ -132,9 +132,10 @@ def test_unhealthy_endpoints_are_skipped_and_forgotten():
 
 def test_an_endpoint_whose_metrics_tell_restarts_keeps_its_index_while_unhealthy():
     """Missed probes alone (a stall, an overloaded API server) leave a cache as it was; when
-    the endpoint's metrics carry its process start time a restart is told by them, so the
-    index is kept until they do. Without one (scrapes off, or vLLM with several API server
-    processes) it is emptied as before; a failed scrape changes neither."""
+    the endpoint's metrics tell restarts (a process start time, or counters that would
+    start over) a restart is told by them, so the index is kept until they do. Without
+    (scrapes off, a server exporting neither) it is emptied as before; a failed scrape
+    changes neither."""
     router = Router(RoutingConfig(), ENDPOINTS)
     first = router.route(chat("sticky " * 30))
     router.finish(first)
@@ -1510,21 +1511,6 @@ def test_a_request_for_n_samples_counts_as_the_n_requests_the_server_counts():
         assert parse_request("completions", orjson.dumps(one)).engine_requests == 1
     huge = {"model": "m", "prompt": "a " * 40, "n": 10**9}
     assert parse_request("completions", orjson.dumps(huge)).engine_requests == 256
-
-
-def test_a_start_time_that_vanishes_is_another_process():
-    """The index was kept because the endpoint's metrics told restarts; its new server
-    exports no start time (vLLM brought back with several API servers): nothing says its
-    cache is the old one's, so the index goes at that first reading."""
-    router = Router(RoutingConfig(), ENDPOINTS)
-    first = router.route(chat("kept " * 30))
-    router.finish(first)
-    router.observe_signals(first.endpoint, True, 0, 0, tells_restarts=True)
-    router.set_health(first.endpoint, False)
-    router.observe_signals(first.endpoint, False)  # down meanwhile
-    assert router.index.match(first.hashes, [first.endpoint])
-    router.observe_signals(first.endpoint, True, 0, 0, tells_restarts=False)
-    assert router.index.match(first.hashes, [first.endpoint]) == {}
 
 
 def test_n_samples_in_flight_are_not_read_as_another_routers_load():

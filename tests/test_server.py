@@ -501,13 +501,44 @@ async def test_a_restart_seen_in_an_endpoints_metrics_empties_its_index(service)
     decision = service.router.route(parse_request("chat", CHAT), allowed=frozenset({address}))
     service.router.finish(decision)
     assert service.router.index.match(decision.hashes, [address])
-    service.scraper.record(address, EndpointSignals(up=True, started=1.0))
+    service.scraper.record(address, EndpointSignals(up=True, started=1000.0))
     assert service.router.index.match(decision.hashes, [address])  # the first reading
     restarts = service.metrics.endpoint_restarts.labels(address)
     before = restarts._value.get()
-    service.scraper.record(address, EndpointSignals(up=True, started=2.0))
+    service.scraper.record(address, EndpointSignals(up=True, started=2000.0))
     assert service.router.index.match(decision.hashes, [address]) == {}
     assert restarts._value.get() == before + 1
+
+
+@pytest.mark.parametrize(
+    ("old", "new"),
+    [
+        ({"started": 1000.0}, {"started": 2000.0}),
+        ({"queries": 9000.0}, {"queries": 64.0}),  # vLLM with several API servers
+        ({"started": 1000.0}, {"queries": 64.0}),  # ... brought back so: no start time
+    ],
+    ids=["start time", "counters", "start time gone"],
+)
+async def test_an_endpoint_out_for_missed_probes_keeps_its_index_until_its_metrics_tell_a_restart(
+    service, old, new
+):
+    """Found dead by its probes (a stall, or a restart), an endpoint whose metrics tell
+    restarts keeps what it held; the first scrape the new server answers empties it and
+    counts the restart, and reads its model list again."""
+    address = ENDPOINTS.split(",")[0]
+    decision = service.router.route(parse_request("chat", CHAT), allowed=frozenset({address}))
+    service.router.finish(decision)
+    service.scraper.record(address, EndpointSignals(up=True, **old))
+    service.router.set_health(address, False)
+    service.scraper.record(address, EndpointSignals(up=False))
+    assert service.router.index.match(decision.hashes, [address])  # kept while it is out
+    restarts = service.metrics.endpoint_restarts.labels(address)
+    before = restarts._value.get()
+    service.router.set_health(address, True)
+    service.scraper.record(address, EndpointSignals(up=True, **new))
+    assert service.router.index.match(decision.hashes, [address]) == {}
+    assert restarts._value.get() == before + 1
+    assert address in service.model_lister._eager  # (read at once)
 
 
 async def test_scraped_signals_reach_the_router():

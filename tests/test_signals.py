@@ -77,15 +77,71 @@ def test_window_hit_ratio_and_down_transitions_keep_counters():
     assert updates[-1][1].hits == 190 and updates[-1][1].window_hit_ratio == pytest.approx(0.9)
     scraper.record("a", EndpointSignals(up=True, hits=200, queries=400))
     assert updates[-1][1].window_hit_ratio == pytest.approx(0.1)
-    scraper.record("a", EndpointSignals(up=True, hits=300, queries=500, started=1.0))
-    scraper.record("a", EndpointSignals(up=True, hits=900, queries=1000, started=2.0))
+    scraper.record("a", EndpointSignals(up=True, hits=300, queries=500, started=1000.0))
+    scraper.record("a", EndpointSignals(up=True, hits=900, queries=1000, started=2000.0))
     assert updates[-1][1].window_hit_ratio == pytest.approx(1.0)  # restarted: the last kept
     assert updates[-1][1].restarted
     # An earlier start time is another process too (another server at the address).
-    scraper.record("a", EndpointSignals(up=True, hits=950, queries=1100, started=1.5))
+    scraper.record("a", EndpointSignals(up=True, hits=950, queries=1100, started=1500.0))
     assert updates[-1][1].restarted
-    scraper.record("a", EndpointSignals(up=True, hits=990, queries=1200, started=1.5))
+    scraper.record("a", EndpointSignals(up=True, hits=990, queries=1200, started=1500.0))
     assert not updates[-1][1].restarted
+
+
+def _readings(*readings: EndpointSignals) -> list[EndpointSignals]:
+    """What a scraper reports for these readings of one endpoint, each a second apart."""
+    updates: list[EndpointSignals] = []
+    scraper = MetricsScraper(lambda: ["a"], lambda a, s: updates.append(s))
+    for second, reading in enumerate(readings):
+        scraper.clock = lambda second=second: 5000.0 + second
+        scraper.record("a", reading)
+    return updates
+
+
+def test_a_start_time_read_a_second_off_is_the_same_process():
+    """Go's process collector derives the start from the boot time at every scrape, which
+    reads a second apart now and then (client_golang #289): not a restart, which a model
+    server, loading its model for longer, never shows that close to the last start."""
+    updates = _readings(
+        EndpointSignals(up=True, started=1000.0, queries=10),
+        EndpointSignals(up=True, started=1001.0, queries=20),
+        EndpointSignals(up=True, started=1000.0, queries=30),
+        EndpointSignals(up=True, started=1004.0, queries=40),
+    )
+    assert [u.restarted for u in updates] == [False, False, False, True]
+    assert updates[-1].started_after == 1004.0
+
+
+def test_without_start_times_counters_that_go_down_tell_a_restart():
+    """vLLM with several API server processes exports no start time; its counters (summed
+    over its processes) start over when it restarts, even across failed scrapes. The new
+    server started after the old one was last read (``started_after``)."""
+    updates = _readings(
+        EndpointSignals(up=True, queries=0.0, prefills=0.0),
+        EndpointSignals(up=True, queries=9000.0, hits=4000.0, prefills=12.0),
+        EndpointSignals(up=False),  # at 5002: dead meanwhile
+        EndpointSignals(up=True, queries=64.0, hits=0.0, prefills=0.0),
+        EndpointSignals(up=True, queries=64.0, hits=0.0, prefills=0.0),
+        EndpointSignals(up=True, queries=900.0, hits=836.0, prefills=1.0),
+    )
+    assert [u.restarted for u in updates] == [False, False, False, True, False, False]
+    assert updates[3].started_after == 5001.0
+    assert [u.tells_restarts for u in updates] == [False, True, True, True, True, True]
+    assert updates[-1].window_hit_ratio == pytest.approx(1.0)  # (836 queries, all hits)
+
+
+def test_a_start_time_that_vanishes_is_another_process():
+    """The endpoint's metrics had a start time; the new server's have none (vLLM brought
+    back with several API servers): nothing says its cache is the old one's, whatever its
+    counters read."""
+    updates = _readings(
+        EndpointSignals(up=True, started=1000.0, queries=10.0),
+        EndpointSignals(up=False),
+        EndpointSignals(up=True, queries=50.0),
+        EndpointSignals(up=True, queries=10.0),  # (no start time before: counters tell)
+    )
+    assert [u.restarted for u in updates] == [False, False, True, True]
+    assert updates[1].tells_restarts  # (the last reading's start time is kept while down)
 
 
 def test_prefill_window_is_each_scrapes_increase_reported_once():
@@ -105,11 +161,11 @@ def test_prefill_window_is_each_scrapes_increase_reported_once():
     assert scrape() is None  # a server without these metrics
     # A restart between two scrapes whose counters already exceed the last ones read: told
     # by the process's start time, it gives no window (nor a hit ratio) either.
-    assert scrape(prefills=20, prefill_seconds=2.0, prefill_tokens=9000, started=1.0) is None
-    assert scrape(prefills=25, prefill_seconds=2.5, prefill_tokens=9500, started=1.0)
-    assert scrape(prefills=40, prefill_seconds=9.0, prefill_tokens=20000, started=2.0) is None
+    assert scrape(prefills=20, prefill_seconds=2.0, prefill_tokens=9000, started=100.0) is None
+    assert scrape(prefills=25, prefill_seconds=2.5, prefill_tokens=9500, started=100.0)
+    assert scrape(prefills=40, prefill_seconds=9.0, prefill_tokens=20000, started=200.0) is None
     assert scrape(up=False) is None
-    assert scrape(prefills=41, prefill_seconds=9.5, prefill_tokens=20100, started=2.0)
+    assert scrape(prefills=41, prefill_seconds=9.5, prefill_tokens=20100, started=200.0)
 
 
 async def _metrics_server(handler) -> tuple[web.AppRunner, str]:

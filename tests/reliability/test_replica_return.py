@@ -2,9 +2,10 @@
 
 Dead: the router stops picking it within seconds; requests keep succeeding: both designs
 retry a dead pick on another replica (original-dst through Envoy's composite cluster). Its
-index entries are kept while its metrics carry the process start time (as vLLM's do), and
-dropped at the first scrape the restarted server answers (a new start time); without a start
-time they are dropped when it is found dead (Router.set_health). A replica that only stalls
+index entries are kept while its metrics tell restarts, and dropped at the first scrape the
+restarted server answers: a new process start time (vLLM's one API server exports it), or
+without one (vLLM with several API servers) counters that started over; with no metrics read
+they are dropped when it is found dead (Router.set_health). A replica that only stalls
 keeps them. Back: it is used again. tests/integration/test_replica_failure.py covers the
 first half with health checks off or fast; this is the whole cycle with the defaults.
 """
@@ -53,15 +54,26 @@ def _start_conversations(stack: Stack, rig) -> tuple[dict[int, str], str, str, f
     return homes, victim, address, held
 
 
+# What tells the router a replica restarted: its metrics' start time, their counters alone
+# (the replicas export no start time), or nothing (the router reads no metrics).
+REPLICA_ARGS = {"start time": FAST, "counters": [*FAST, "--no-start-time"], "none": FAST}
+ROUTER_ARGS = {"start time": [], "counters": [], "none": ["--set", "signals.enabled=false"]}
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    ("mode", "start_time"),
-    [("override-host", True), ("original-dst", True), ("override-host", False)],
+    ("mode", "told_by"),
+    [
+        ("override-host", "start time"),
+        ("original-dst", "start time"),
+        ("override-host", "counters"),
+        ("override-host", "none"),
+    ],
 )
-def test_dead_replica_is_avoided_forgotten_and_used_again_when_back(mode, start_time):
+def test_dead_replica_is_avoided_forgotten_and_used_again_when_back(mode, told_by):
     with Stack() as stack:
-        members = stack.start_replicas(3, FAST if start_time else [*FAST, "--no-start-time"])
-        rig = start_rig(stack, mode, "buffered", members)
+        members = stack.start_replicas(3, REPLICA_ARGS[told_by])
+        rig = start_rig(stack, mode, "buffered", members, ROUTER_ARGS[told_by])
         homes, victim, address, _ = _start_conversations(stack, rig)
         proc = stack.process(victim)
         proc.signal(signal.SIGKILL)
@@ -80,7 +92,7 @@ def test_dead_replica_is_avoided_forgotten_and_used_again_when_back(mode, start_
         assert detected is not None, "the router never marked the dead replica unhealthy"
         time.sleep(1.2)
         entries_after = _gauge(rig, "prefix_router_index_entries", address)
-        if start_time:
+        if told_by != "none":
             assert entries_after > 0  # kept: a restart is told by the metrics
         else:
             assert entries_after == 0  # forgotten: nothing would tell a restart
@@ -94,7 +106,7 @@ def test_dead_replica_is_avoided_forgotten_and_used_again_when_back(mode, start_
         stack.respawn(proc, port)
         back = time.monotonic()
         restarts = "prefix_router_endpoint_restarts_total"
-        if start_time:  # (no traffic meanwhile: any entry would be a stale one)
+        if told_by != "none":  # (no traffic meanwhile: any entry would be a stale one)
             assert _wait_for(lambda: _gauge(rig, restarts, address) == 1, 10)
             assert _wait_for(lambda: _gauge(rig, "prefix_router_index_entries", address) == 0, 3)
         told = time.monotonic() - back
@@ -114,12 +126,12 @@ def test_dead_replica_is_avoided_forgotten_and_used_again_when_back(mode, start_
         report(
             "replica_death_and_return",
             mode=mode,
-            start_time=start_time,
+            restart_told_by=told_by,
             requests_while_detecting=len(statuses),
             failed_while_detecting=len(failed),
             unhealthy_after_s=round(detected, 2),
             index_entries_after=entries_after,
-            restart_told_after_s=round(told, 2) if start_time else None,
+            restart_told_after_s=round(told, 2) if told_by != "none" else None,
             used_again_after_s=round(used_again, 2) if used_again is not None else None,
             new_conversations_until_used=c - 99,
         )
@@ -127,11 +139,13 @@ def test_dead_replica_is_avoided_forgotten_and_used_again_when_back(mode, start_
 
 
 @pytest.mark.slow
-def test_a_stalled_replica_keeps_its_index_and_its_conversations():
+@pytest.mark.parametrize("told_by", ["start time", "counters"])
+def test_a_stalled_replica_keeps_its_index_and_its_conversations(told_by):
     """SIGSTOP'd past two probes, then resumed: marked unhealthy and back, and as its start
-    time did not change, what it held was kept; its conversations come back to it."""
+    time did not change (or its counters did not start over), what it held was kept; its
+    conversations come back to it."""
     with Stack() as stack:
-        members = stack.start_replicas(3, FAST)
+        members = stack.start_replicas(3, REPLICA_ARGS[told_by])
         rig = start_rig(stack, "override-host", "buffered", members)
         homes, victim, address, held = _start_conversations(stack, rig)
         proc = stack.process(victim)
@@ -154,6 +168,7 @@ def test_a_stalled_replica_keeps_its_index_and_its_conversations():
         returned = sum(r.replica == victim for r in back)
         report(
             "replica_stall",
+            restart_told_by=told_by,
             unhealthy_after_s=round(detected, 2),
             index_entries_before=held,
             index_entries_after=kept,
