@@ -140,6 +140,9 @@ class Router:
         # Whether the endpoint's last metrics reading had its process start time: a restart
         # is then told by the metrics, and a failed probe need not empty its index.
         self._tells_restarts = np.zeros(0, dtype=bool)
+        # Healthy again by its probes, its index kept: picked once a metrics reading tells
+        # whether it restarted (set_health).
+        self._returning = np.zeros(0, dtype=bool)
         # Estimated prefill work queued (token-equivalents) as of ``_work_at`` (clock time).
         self._work = np.zeros(0)
         self._work_at = np.zeros(0)
@@ -232,6 +235,7 @@ class Router:
         self._waiting_read = carried(self._waiting_read, np.nan, np.float64)
         self._healthy = carried(self._healthy, True, bool)
         self._tells_restarts = carried(self._tells_restarts, False, bool)
+        self._returning = carried(self._returning, False, bool)
         self._work = carried(self._work, 0.0, np.float64)
         self._placed = carried(self._placed, 0.0, np.float64)
         self._peer_placed_total = carried(self._peer_placed_total, 0.0, np.float64)
@@ -281,6 +285,8 @@ class Router:
         i = self._position.get(address)
         if i is None:
             return
+        if self._returning[i]:
+            self._returned(i, read=up)
         if up:
             self._tells_restarts[i] = tells_restarts
         finished = 0.0 if prefill_window is None else prefill_window[1]
@@ -561,18 +567,28 @@ class Router:
     def is_member(self, address: str) -> bool:
         return address in self._position
 
-    def set_health(self, address: str, healthy: bool) -> None:
+    def set_health(self, address: str, healthy: bool) -> bool:
         """The probes' verdict: an unhealthy endpoint is not picked. Its index is emptied (a
         restarted server comes back with an empty cache) unless its metrics tell restarts
-        (a process start time, or counters that would start over): a restart is then told
-        at the first scrape the new server answers (``restarted``), and an endpoint that only missed probes (a stall, an
-        overloaded API server, a network blip) keeps what it holds, rather than every
-        prefix it held being prefilled again elsewhere once it is back."""
+        (a process start time, or counters that would start over): an endpoint that only
+        missed probes (a stall, an overloaded API server, a network blip) then keeps what
+        it holds, rather than every prefix it held being prefilled again elsewhere once it
+        is back. Healthy again, such an endpoint is picked only once its metrics have been
+        read (``observe_signals``, after the service told any restart they show:
+        ``restarted``), so that no request goes there for a prefix a restarted server no
+        longer holds. Returns True when the caller should read its metrics at once."""
         i = self._position.get(address)
         if i is None or bool(self._healthy[i]) == healthy:
-            return
-        self._healthy[i] = healthy
+            return False
+        if healthy and self._returning[i]:
+            return False  # (read at once already asked)
+        self._returning[i] = False
         kept = not healthy and bool(self._tells_restarts[i])
+        if healthy and self._tells_restarts[i]:
+            self._returning[i] = True
+            log.warning("endpoint %s answers its probes again; reading its metrics", address)
+            return True
+        self._healthy[i] = healthy
         if not healthy and not kept:
             # A restarted server comes back with an empty cache: forget what it held.
             self.index.forget(address)
@@ -581,6 +597,22 @@ class Router:
             address,
             "healthy" if healthy else "unhealthy",
             "; its index is kept (its metrics tell a restart)" if kept else "",
+        )
+        return False
+
+    def _returned(self, i: int, read: bool) -> None:
+        """A returning endpoint's metrics reading came (``read``; any restart it showed was
+        told before), or failed: then nothing tells whether it restarted, and what it held
+        is forgotten, as for an endpoint whose metrics tell no restarts."""
+        self._returning[i] = False
+        self._healthy[i] = True
+        address = self._addresses[i]
+        if not read:
+            self.index.forget(address)
+        log.warning(
+            "endpoint %s is now healthy%s",
+            address,
+            "" if read else "; its metrics unread, its index is emptied",
         )
 
     def observe_models(self, address: str, models: frozenset[str] | None) -> None:

@@ -119,9 +119,7 @@ class RouterService:
         self._decision_sink = decision_sink or self.decisions.add
         self.tracer = tracer if tracer is not None else DecisionTracer(tracer_from_env())
         self.health = health.aio.HealthServicer()
-        self.checker = HealthChecker(
-            config.health, lambda: self.router.endpoints, self.router.set_health
-        )
+        self.checker = HealthChecker(config.health, lambda: self.router.endpoints, self._on_health)
         self.model_lister = ModelLister(
             config.models, lambda: self.router.endpoints, self._on_models
         )
@@ -188,6 +186,10 @@ class RouterService:
     def _on_models(self, address: str, models: frozenset[str] | None) -> None:
         if self.router.is_member(address):  # (not a list read as the endpoint was removed)
             self.router.observe_models(address, models)
+
+    def _on_health(self, address: str, healthy: bool) -> None:
+        if self.router.set_health(address, healthy):
+            self.scraper.unpolled(address)  # (picked again once its metrics are read)
 
     def _on_signals(self, address: str, signals: EndpointSignals) -> None:
         """An endpoint's own metrics: published, and fed to the scheduler (load, KV)."""

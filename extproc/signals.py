@@ -143,6 +143,9 @@ def parse_metrics(text: str) -> EndpointSignals:
 
 class MetricsScraper(EndpointPoller[EndpointSignals]):
     task_name = "endpoint-metrics"
+    # A new endpoint, or one back from missed probes (``unpolled``), is read at once: the
+    # latter is picked again only then (Router.set_health).
+    new_address_seconds = 0.1
 
     def __init__(
         self,

@@ -147,14 +147,37 @@ def test_an_endpoint_whose_metrics_tell_restarts_keeps_its_index_while_unhealthy
     assert moved.endpoint != address
     router.finish(moved)
     assert router.index.match(first.hashes, [address])  # kept while it is out
-    router.set_health(address, True)
+    assert router.set_health(address, True)  # back: read its metrics at once...
+    assert not router.set_health(address, True)  # (asked once)
     assert router.index.match(first.hashes, [address])
-    router.restarted(address)  # the first scrape the new server answers
+    # ... and until they are read, it is not picked: it may have restarted.
+    assert address not in router.healthy_endpoints()
+    assert router.route(chat("sticky " * 30), allowed=frozenset({address})).endpoint is None
+    router.restarted(address)  # the first scrape the new server answers...
+    router.observe_signals(address, True, 0, 0, tells_restarts=False)  # ... read
     assert router.index.match(first.hashes, [address]) == {}
+    assert address in router.healthy_endpoints()
     router.record(router.route(chat("sticky " * 30), allowed=frozenset({address})))
-    router.observe_signals(address, True, 0, 0, tells_restarts=False)
-    router.set_health(address, False)
+    assert not router.set_health(address, False)
     assert router.index.match(first.hashes, [address]) == {}
+
+
+@pytest.mark.parametrize("read", [True, False])
+def test_an_endpoint_back_from_missed_probes_is_picked_once_its_metrics_are_read(read):
+    """A reading that shows no restart returns it with its index (a stall); a failed one
+    tells nothing, so it returns with its index emptied, as without such metrics."""
+    router = Router(RoutingConfig(), ENDPOINTS)
+    first = router.route(chat("sticky " * 30))
+    router.finish(first)
+    address = first.endpoint
+    router.observe_signals(address, True, 0, 0, tells_restarts=True)
+    router.set_health(address, False)
+    assert router.set_health(address, True)
+    assert router.route(chat("sticky " * 30)).endpoint != address
+    router.observe_signals(address, read, 0, 0, tells_restarts=True)
+    assert address in router.healthy_endpoints()
+    assert bool(router.index.match(first.hashes, [address])) == read
+    assert (router.route(chat("sticky " * 30)).endpoint == address) == read
 
 
 def test_nothing_is_recorded_on_an_endpoint_while_it_is_dead():

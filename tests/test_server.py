@@ -534,8 +534,11 @@ async def test_an_endpoint_out_for_missed_probes_keeps_its_index_until_its_metri
     assert service.router.index.match(decision.hashes, [address])  # kept while it is out
     restarts = service.metrics.endpoint_restarts.labels(address)
     before = restarts._value.get()
-    service.router.set_health(address, True)
+    service._on_health(address, True)  # its probes pass again...
+    assert address in service.scraper._eager  # ... its metrics read at once...
+    assert address not in service.router.healthy_endpoints()  # ... and until then, not picked
     service.scraper.record(address, EndpointSignals(up=True, **new))
+    assert address in service.router.healthy_endpoints()
     assert service.router.index.match(decision.hashes, [address]) == {}
     assert restarts._value.get() == before + 1
     assert address in service.model_lister._eager  # (read at once)

@@ -4,8 +4,10 @@ Dead: the router stops picking it within seconds; requests keep succeeding: both
 retry a dead pick on another replica (original-dst through Envoy's composite cluster). Its
 index entries are kept while its metrics tell restarts, and dropped at the first scrape the
 restarted server answers: a new process start time (vLLM's one API server exports it), or
-without one (vLLM with several API servers) counters that started over; with no metrics read
-they are dropped when it is found dead (Router.set_health). A replica that only stalls
+without one (vLLM with several API servers) counters that started over; it is picked again
+only after that scrape, so conversations that paused while it was out (their prefix known
+only there) do not go to the restarted, empty server first. With no metrics read its
+entries are dropped when it is found dead (Router.set_health). A replica that only stalls
 keeps them. Back: it is used again. tests/integration/test_replica_failure.py covers the
 first half with health checks off or fast; this is the whole cycle with the defaults.
 """
@@ -75,6 +77,10 @@ def test_dead_replica_is_avoided_forgotten_and_used_again_when_back(mode, told_b
         members = stack.start_replicas(3, REPLICA_ARGS[told_by])
         rig = start_rig(stack, mode, "buffered", members, ROUTER_ARGS[told_by])
         homes, victim, address, _ = _start_conversations(stack, rig)
+        # Two of its conversations pause while it is out: only its index says where their
+        # prefix is, so they come back to it unless the router knows it restarted.
+        idle = [c for c, home in homes.items() if home == victim][:2]
+        active = [c for c in homes if c not in idle]
         proc = stack.process(victim)
         proc.signal(signal.SIGKILL)
         proc.process.wait(5)
@@ -83,7 +89,7 @@ def test_dead_replica_is_avoided_forgotten_and_used_again_when_back(mode, told_b
         detected = None
         turn = 1
         while time.monotonic() - killed < 15:
-            for c in homes:  # the victim's conversations keep coming
+            for c in active:  # the victim's other conversations keep coming
                 statuses.append((time.monotonic() - killed, rig.send(chat(c, turn)).status))
             turn += 1
             if _gauge(rig, "prefix_router_endpoint_healthy", address) == 0:
@@ -96,7 +102,7 @@ def test_dead_replica_is_avoided_forgotten_and_used_again_when_back(mode, told_b
             assert entries_after > 0  # kept: a restart is told by the metrics
         else:
             assert entries_after == 0  # forgotten: nothing would tell a restart
-        after = [rig.send(chat(c, turn)) for c in homes]
+        after = [rig.send(chat(c, turn)) for c in active]
         assert all(r.status == 200 for r in after)
         assert victim not in {r.replica for r in after}
         failed = [(round(t, 2), s) for t, s in statuses if s != 200]
@@ -106,23 +112,27 @@ def test_dead_replica_is_avoided_forgotten_and_used_again_when_back(mode, told_b
         stack.respawn(proc, port)
         back = time.monotonic()
         restarts = "prefix_router_endpoint_restarts_total"
-        if told_by != "none":  # (no traffic meanwhile: any entry would be a stale one)
-            assert _wait_for(lambda: _gauge(rig, restarts, address) == 1, 10)
-            assert _wait_for(lambda: _gauge(rig, "prefix_router_index_entries", address) == 0, 3)
-        told = time.monotonic() - back
-        used_again = None
+        used_again = until_used = None
+        told_before = []  # for each request the restarted replica served: restart told?
         c = 100
         while time.monotonic() - back < 20:
-            # New sessions with their own system prompt: placed by rendezvous hashing over
-            # the healthy endpoints (a prefix shared with earlier sessions would attract
-            # them to where it is cached instead, by design).
-            response = rig.send(chat(c, 0, system=f"Persona {c}. " * 12))
-            assert response.status == 200
-            if response.replica == victim:
+            # The paused conversations' next turns, and new sessions with their own system
+            # prompt: placed by rendezvous hashing over the healthy endpoints (a prefix
+            # shared with earlier sessions would attract them to where it is cached
+            # instead, by design).
+            for request in [*(chat(i, 1) for i in idle), chat(c, 0, system=f"Persona {c}. " * 12)]:
+                response = rig.send(request)
+                assert response.status == 200
+                if response.replica == victim:
+                    told_before.append(_gauge(rig, restarts, address) == 1)
+            if told_before and used_again is None:
                 used_again = time.monotonic() - back
+                until_used = c - 99
+            if used_again is not None and time.monotonic() - back > used_again + 1:
                 break
             c += 1
             time.sleep(0.05)
+        told = _gauge(rig, restarts, address)
         report(
             "replica_death_and_return",
             mode=mode,
@@ -131,11 +141,17 @@ def test_dead_replica_is_avoided_forgotten_and_used_again_when_back(mode, told_b
             failed_while_detecting=len(failed),
             unhealthy_after_s=round(detected, 2),
             index_entries_after=entries_after,
-            restart_told_after_s=round(told, 2) if told_by != "none" else None,
+            restarts_told=told,
             used_again_after_s=round(used_again, 2) if used_again is not None else None,
-            new_conversations_until_used=c - 99,
+            new_conversations_until_used=until_used if used_again is not None else None,
+            served_there_in_the_next_second=len(told_before),
+            served_there_before_the_restart_was_told=told_before.count(False),
         )
         assert used_again is not None, "the replica was never used again"
+        # Picked again only once its metrics were read: never before its restart was told.
+        assert told == (0 if told_by == "none" else 1)
+        if told_by != "none":
+            assert all(told_before), told_before
 
 
 @pytest.mark.slow
