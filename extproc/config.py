@@ -80,6 +80,11 @@ class EndpointConfig(_Strict):
         description='model names it serves (a request\'s "model"); empty: read from its '
         "/v1/models (models config)",
     )
+    ready: bool = Field(
+        default=True,
+        description="false: probed and scraped but not picked, its index kept while its "
+        "metrics tell restarts (Kubernetes discovery sets it for not-ready pods)",
+    )
 
     @field_validator("models")
     @classmethod
@@ -720,7 +725,7 @@ class Config(_Strict):
     endpoints: tuple[EndpointConfig, ...] = Field(
         default=(),
         description="the model servers when discovery.kind is static: ip:port strings or "
-        "{address, capacity_tokens, weight, models}",
+        "{address, capacity_tokens, weight, models, ready}",
     )
     discovery: DiscoveryConfig = DiscoveryConfig()
     tls: TLSConfig = TLSConfig()

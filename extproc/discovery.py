@@ -13,9 +13,11 @@ start-up list until then.
 * ``KubernetesSource``: list + watch of the EndpointSlices labelled
   ``kubernetes.io/service-name=<service>`` through the REST API (aiohttp; in-cluster token and
   CA from the service-account mount). Endpoints count when ``conditions.ready`` is true or
-  absent (the API says to treat a missing value as ready; terminating endpoints are not
-  ready); their first address is used with the slice's port matching ``port`` (name or
-  number). A watch that ends (server-side expiry) is re-opened from the last resourceVersion;
+  absent (the API says to treat a missing value as ready); one not ready and not terminating
+  (a pod failing its readiness probe: stalled, overloaded, or its container restarting in
+  place) stays a member that is not picked (``EndpointConfig.ready``), so its index can
+  outlive the stall; a terminating one is gone. Their first address is used with the slice's
+  port matching ``port`` (name or number). A watch that ends (server-side expiry) is re-opened from the last resourceVersion;
   ``410 Gone``, as an HTTP status or as an ERROR event, triggers a fresh list. Events that
   come within ``SETTLE_SECONDS`` of each other are published together (a pod moved between
   slices is two updates, and must not read as removed in between).
@@ -87,16 +89,21 @@ class _Publisher:
         self._weight = config.weight
         self.current: list[str] | None = None
 
-    def publish(self, addresses: Iterable[str]) -> bool:
-        ordered = sorted(set(addresses), key=_address_key)
-        if ordered == self.current:
+    def publish(self, addresses: Iterable[str], not_ready: Iterable[str] = ()) -> bool:
+        """``not_ready``: members not to be picked (Kubernetes' not-ready endpoints)."""
+        held = set(not_ready)
+        ordered = sorted(set(addresses) | held, key=_address_key)
+        current = [f"{a} (not ready)" if a in held else a for a in ordered]
+        if current == self.current:
             return False
-        self.current = ordered
+        self.current = current
         endpoints = [
-            EndpointConfig(address=a, capacity_tokens=self._capacity, weight=self._weight)
+            EndpointConfig(
+                address=a, capacity_tokens=self._capacity, weight=self._weight, ready=a not in held
+            )
             for a in ordered
         ]
-        log.info("endpoints now (%d): %s", len(ordered), ", ".join(ordered) or "none")
+        log.info("endpoints now (%d): %s", len(ordered), ", ".join(current) or "none")
         try:
             self._on_change(endpoints)
         except Exception:
@@ -273,7 +280,17 @@ def ready_addresses(
     wanted_port: int | str | None,
     family: str = "any",
 ) -> set[str]:
-    """ip:port of every ready endpoint in the slices (FQDN slices are skipped).
+    """ip:port of every ready endpoint in the slices (``slice_addresses``)."""
+    return {a for a, ready in slice_addresses(slices, wanted_port, family).items() if ready}
+
+
+def slice_addresses(
+    slices: Iterable[Mapping[str, Any]],
+    wanted_port: int | str | None,
+    family: str = "any",
+) -> dict[str, bool]:
+    """ip:port of every endpoint in the slices that is not terminating -> whether it is
+    ready (FQDN slices are skipped).
 
     A dual-stack Service has IPv4 and IPv6 slices naming the same pods. One family is used
     for the whole set, so a pod is one endpoint and its address never flips between families
@@ -284,7 +301,7 @@ def ready_addresses(
         has_v4 = any(s.get("addressType") == "IPv4" for s in slices)
         family = "ipv4" if has_v4 else "ipv6"
     wanted_type = "IPv4" if family == "ipv4" else "IPv6"
-    found: set[str] = set()
+    found: dict[str, bool] = {}
     for item in slices:
         if item.get("addressType") != wanted_type:
             continue
@@ -293,9 +310,10 @@ def ready_addresses(
             continue
         for endpoint in item.get("endpoints") or []:
             conditions = endpoint.get("conditions") or {}
-            # "ready ... nil should be interpreted as true"; terminating endpoints are not ready.
-            if conditions.get("ready") is False:
-                continue
+            if conditions.get("terminating") is True:
+                continue  # (its pod is being deleted: gone for good)
+            # "ready ... nil should be interpreted as true".
+            ready = conditions.get("ready") is not False
             addresses = endpoint.get("addresses") or []
             if not addresses:
                 continue
@@ -304,7 +322,8 @@ def ready_addresses(
                 ip = ipaddress.ip_address(addresses[0])
             except ValueError:
                 continue
-            found.add(format_host_port(str(ip), port))
+            address = format_host_port(str(ip), port)
+            found[address] = found.get(address, False) or ready  # (ready in any slice)
     return found
 
 
@@ -402,7 +421,7 @@ class KubernetesSource:
                         response.content.readany(), SETTLE_SECONDS if unpublished else None
                     )
                 except TimeoutError:
-                    publisher.publish(self.addresses())
+                    self._publish(publisher)
                     unpublished = False
                     continue
                 if not chunk:
@@ -415,7 +434,7 @@ class KubernetesSource:
                         unpublished = True
             if buffer.strip():
                 self._apply(orjson.loads(buffer))
-            publisher.publish(self.addresses())
+            self._publish(publisher)
 
     def _apply(self, event: Mapping[str, Any]) -> None:
         kind = event.get("type")
@@ -436,8 +455,16 @@ class KubernetesSource:
         if version:
             self.resource_version = version
 
-    def addresses(self) -> set[str]:
-        return ready_addresses(self.slices.values(), self.config.port, self.config.address_family)
+    def addresses(self) -> dict[str, bool]:
+        """Every member -> whether it is ready."""
+        return slice_addresses(self.slices.values(), self.config.port, self.config.address_family)
+
+    def _publish(self, publisher: _Publisher) -> None:
+        members = self.addresses()
+        publisher.publish(
+            [a for a, ready in members.items() if ready],
+            [a for a, ready in members.items() if not ready],
+        )
 
     # -- loop ---------------------------------------------------------------------------
     async def run(self, on_change: OnChange) -> None:
@@ -451,7 +478,7 @@ class KubernetesSource:
                     if need_list:
                         await self._list(session)
                         need_list = False
-                        publisher.publish(self.addresses())
+                        self._publish(publisher)
                     started = asyncio.get_running_loop().time()
                     await self._watch(session, publisher)
                     # The watch ended normally (server-side expiry): watch again from the last

@@ -143,6 +143,8 @@ class Router:
         # Healthy again by its probes, its index kept: picked once a metrics reading tells
         # whether it restarted (set_health).
         self._returning = np.zeros(0, dtype=bool)
+        # Members not to be picked (EndpointConfig.ready false: a not-ready pod).
+        self._held = np.zeros(0, dtype=bool)
         # Estimated prefill work queued (token-equivalents) as of ``_work_at`` (clock time).
         self._work = np.zeros(0)
         self._work_at = np.zeros(0)
@@ -205,8 +207,12 @@ class Router:
         tokens = capacity_tokens or self.config.default_capacity_tokens
         return max(1, int(tokens * self.config.bytes_per_token) // self.config.block_size_bytes)
 
-    def set_endpoints(self, endpoints: Sequence[EndpointConfig]) -> None:
-        """Replace the endpoint set; keeps load and index of endpoints that stay."""
+    def set_endpoints(self, endpoints: Sequence[EndpointConfig]) -> list[str]:
+        """Replace the endpoint set; keeps load and index of endpoints that stay. A member
+        no longer ready is not picked, and keeps its index only while its metrics tell
+        restarts (as a member that fails its probes: ``set_health``); one ready again is
+        picked once its metrics have been read. Returns the endpoints whose metrics the
+        caller should read at once."""
         addresses = [e.address for e in endpoints]
         keep = [self._position.get(a, -1) for a in addresses]
         capacities, configured = [], []
@@ -236,6 +242,8 @@ class Router:
         self._healthy = carried(self._healthy, True, bool)
         self._tells_restarts = carried(self._tells_restarts, False, bool)
         self._returning = carried(self._returning, False, bool)
+        was_held = carried(self._held, False, bool)
+        self._held = np.array([not e.ready for e in endpoints], dtype=bool)
         self._work = carried(self._work, 0.0, np.float64)
         self._placed = carried(self._placed, 0.0, np.float64)
         self._peer_placed_total = carried(self._peer_placed_total, 0.0, np.float64)
@@ -259,6 +267,26 @@ class Router:
         self._capacity_configured = configured
         self.index.set_endpoints(dict(zip(addresses, capacities, strict=True)))
         self.models.set_endpoints(addresses, [e.models for e in endpoints], keep, self.clock())
+        to_read = []
+        for i in np.flatnonzero(was_held != self._held).tolist():
+            address = addresses[i]
+            if self._held[i]:
+                kept = bool(self._tells_restarts[i])
+                if not kept:
+                    self.index.forget(address)  # (it may be restarting: nothing would tell)
+                log.warning(
+                    "endpoint %s is not ready%s",
+                    address,
+                    "; its index is kept (its metrics tell a restart)" if kept else "",
+                )
+            elif self._healthy[i] and self._tells_restarts[i]:
+                self._healthy[i] = False  # picked once its metrics are read (_returned)
+                self._returning[i] = True
+                to_read.append(address)
+                log.warning("endpoint %s is ready again; reading its metrics", address)
+            else:
+                log.warning("endpoint %s is ready again", address)
+        return to_read
 
     def observe_signals(
         self,
@@ -634,7 +662,10 @@ class Router:
             log.warning("endpoint %s restarted; forgetting what it held", address)
 
     def healthy_endpoints(self) -> list[str]:
-        return [a for a, ok in zip(self._addresses, self._healthy.tolist(), strict=True) if ok]
+        """The endpoints that may be picked: healthy by their probes (and, back from missed
+        probes, read since) and ready."""
+        usable = (self._healthy & ~self._held).tolist()
+        return [a for a, ok in zip(self._addresses, usable, strict=True) if ok]
 
     def in_flight(self) -> dict[str, int]:
         return dict(zip(self._addresses, self._in_flight.tolist(), strict=True))
@@ -771,9 +802,9 @@ class Router:
         )
         now = self.clock()
         self._drain_all(now)
-        usable = self._healthy
+        usable = self._healthy & ~self._held
         # (NotRoutable: no endpoint serves it)
-        serving = self.models.eligible(request.model, self._healthy, now)
+        serving = self.models.eligible(request.model, usable, now)
         if serving is not None:
             usable = usable & serving
         if allowed is not None:  # O(size of the hint), not O(endpoints)

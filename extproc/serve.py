@@ -268,7 +268,7 @@ class RouterService:
             self.admin_runner, self.admin_port = await start_admin(
                 app, self.config.server.admin_listen
             )
-        await self._set_serving(bool(self.config.endpoints))
+        await self._set_serving(any(e.ready for e in self.config.endpoints))
         self.checker.start()
         if self.config.signals.enabled:
             self.scraper.start()
@@ -285,14 +285,21 @@ class RouterService:
         return self.port
 
     def _on_endpoints(self, endpoints: list[EndpointConfig]) -> None:
-        """Discovery changed the endpoint set: removed endpoints' index entries are dropped."""
+        """Discovery changed the endpoint set: removed endpoints' index entries are dropped;
+        one ready again is picked once its metrics have been read (at once)."""
         before = set(self.router.endpoints)
-        self.router.set_endpoints(endpoints)
+        for address in self.router.set_endpoints(endpoints):
+            self.scraper.unpolled(address)
         for endpoint in endpoints:
-            if endpoint.address not in before:  # (a pod back from not-ready too)
+            if endpoint.address not in before:
                 self.model_lister.unpolled(endpoint.address)
-        log.info("endpoints now: %s", ", ".join(e.address for e in endpoints) or "(none)")
-        task = asyncio.get_running_loop().create_task(self._set_serving(bool(endpoints)))
+        log.info(
+            "endpoints now: %s",
+            ", ".join(e.address + ("" if e.ready else " (not ready)") for e in endpoints)
+            or "(none)",
+        )
+        ready = any(e.ready for e in endpoints)
+        task = asyncio.get_running_loop().create_task(self._set_serving(ready))
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 

@@ -30,6 +30,7 @@ from extproc.discovery import (
     StaticSource,
     getaddrinfo_resolver,
     ready_addresses,
+    slice_addresses,
     slice_port,
     source_from_config,
 )
@@ -107,11 +108,15 @@ class FakeApiServer:
 
 
 class Recorder:
+    """Each publication's ready endpoints (``calls``) and not-ready members (``held``)."""
+
     def __init__(self) -> None:
         self.calls: list[list[str]] = []
+        self.held: list[list[str]] = []
 
     def __call__(self, endpoints: list[EndpointConfig]) -> None:
-        self.calls.append([e.address for e in endpoints])
+        self.calls.append([e.address for e in endpoints if e.ready])
+        self.held.append([e.address for e in endpoints if not e.ready])
 
     @property
     def last(self) -> list[str] | None:
@@ -171,6 +176,22 @@ def test_ready_addresses_from_recorded_list() -> None:
     assert ready_addresses(LIST["items"], 1234) == set()
 
 
+def test_not_ready_endpoints_are_members_and_terminating_ones_are_gone() -> None:
+    """A pod failing its readiness probe (stalled, overloaded, restarting in place) stays a
+    member the router does not pick, so its index can outlive the stall; a terminating one
+    (being deleted) is gone. Ready in any slice is ready."""
+    assert slice_addresses(LIST["items"], "http") == {
+        "10.244.1.5:8000": True,
+        "10.244.1.8:8000": True,
+        "10.244.2.7:8000": True,
+        "10.244.3.9:8000": False,  # starting
+    }
+    (one, _) = copy.deepcopy(LIST["items"])
+    twin = copy.deepcopy(one)
+    twin["endpoints"][3]["conditions"] = {"ready": True}
+    assert slice_addresses([one, twin], "http")["10.244.3.9:8000"] is True
+
+
 def test_slice_port_rules() -> None:
     one = {"ports": [{"name": "", "port": 8000, "protocol": "TCP"}]}
     two = {"ports": [{"name": "http", "port": 8000}, {"name": "metrics", "port": 9090}]}
@@ -215,6 +236,9 @@ async def test_list_then_watch_events(tmp_path: Path, monkeypatch: pytest.Monkey
         ["10.244.1.5:8000", "10.244.1.8:8000", "10.244.4.2:8000"],  # ADDED slice
         ["10.244.1.5:8000", "10.244.1.8:8000"],  # DELETED slice
     ]
+    # 3.9 is starting (not ready, not terminating): a member not picked; the terminating
+    # ones (2.11 throughout, 2.7 once it terminates) are gone.
+    assert recorder.held == [["10.244.3.9:8000"]] * 4
     assert server.auth[0] == "Bearer test-token"
     # Watch from the list's version, then, after the server closed the stream, from the
     # last event's version (the DELETED object's), without listing again.
@@ -351,10 +375,12 @@ async def test_removed_endpoints_leave_the_router_index(tmp_path: Path) -> None:
         finally:
             await stop(task)
     assert before.get("10.244.2.7:8000", 0) > 0  # it did hold blocks
-    assert router.endpoints == ["10.244.1.5:8000", "10.244.1.8:8000"]
+    assert router.endpoints == ["10.244.1.5:8000", "10.244.1.8:8000", "10.244.3.9:8000"]
+    assert router.healthy_endpoints() == ["10.244.1.5:8000", "10.244.1.8:8000"]  # 3.9 starting
+    assert before.get("10.244.3.9:8000", 0) == 0  # (never picked)
     after = router.index.entries_by_endpoint()
     assert after.get("10.244.2.7:8000", 0) == 0
-    for address in router.endpoints:  # the survivors keep theirs
+    for address in router.healthy_endpoints():  # the survivors keep theirs
         assert after.get(address, 0) == before.get(address, 0)
 
 

@@ -180,6 +180,34 @@ def test_an_endpoint_back_from_missed_probes_is_picked_once_its_metrics_are_read
     assert (router.route(chat("sticky " * 30)).endpoint == address) == read
 
 
+@pytest.mark.parametrize("tells_restarts", [True, False])
+def test_a_member_not_ready_is_not_picked_and_keeps_its_index_while_its_metrics_tell_restarts(
+    tells_restarts,
+):
+    """Kubernetes' not-ready pod (``EndpointConfig.ready`` false) stays a member: not picked,
+    its index kept where a restart would show in its metrics (else emptied: it may be
+    restarting in place); ready again, it is picked once those have been read."""
+    endpoints = list(ENDPOINTS)
+    router = Router(RoutingConfig(), endpoints)
+    first = router.route(chat("sticky " * 30))
+    router.finish(first)
+    address = first.endpoint
+    router.observe_signals(address, True, 0, 0, tells_restarts=tells_restarts)
+    held = [e.model_copy(update={"ready": e.address != address}) for e in endpoints]
+    assert router.set_endpoints(held) == []
+    assert router.endpoints == [e.address for e in ENDPOINTS]
+    assert address not in router.healthy_endpoints()
+    assert router.route(chat("sticky " * 30), allowed=frozenset({address})).endpoint is None
+    assert bool(router.index.match(first.hashes, [address])) == tells_restarts
+    assert router.set_endpoints(endpoints) == ([address] if tells_restarts else [])
+    if tells_restarts:  # picked once its metrics are read
+        assert address not in router.healthy_endpoints()
+        router.observe_signals(address, True, 0, 0, tells_restarts=True)
+    assert address in router.healthy_endpoints()
+    assert bool(router.index.match(first.hashes, [address])) == tells_restarts
+    assert router.route(chat("sticky " * 30), allowed=frozenset({address})).endpoint == address
+
+
 def test_nothing_is_recorded_on_an_endpoint_while_it_is_dead():
     """A peer's placement on an endpoint this router finds dead (peers read a second or more
     late, some placed before they noticed), or this router's own deferred record of a

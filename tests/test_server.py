@@ -16,7 +16,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as epg
 from google.protobuf import struct_pb2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from extproc.config import load_config
+from extproc.config import EndpointConfig, load_config
 from extproc.hashing import block_hashes, root_hash
 from extproc.prompt import parse_request
 from extproc.serve import EXT_PROC_SERVICE, RouterService
@@ -542,6 +542,30 @@ async def test_an_endpoint_out_for_missed_probes_keeps_its_index_until_its_metri
     assert service.router.index.match(decision.hashes, [address]) == {}
     assert restarts._value.get() == before + 1
     assert address in service.model_lister._eager  # (read at once)
+
+
+async def test_a_pod_ready_again_is_picked_once_its_metrics_are_read_at_once(service):
+    """Discovery marks a pod not ready, then ready again: the service reads its metrics at
+    once (a restart in place would show there) and the router picks it after that."""
+    address = ENDPOINTS.split(",")[0]
+    decision = service.router.route(parse_request("chat", CHAT), allowed=frozenset({address}))
+    service.router.finish(decision)
+    service.scraper.record(address, EndpointSignals(up=True, started=1000.0))
+    members = list(service.router._addresses)
+    endpoints = [EndpointConfig(address=a, ready=a != address) for a in members]
+    service._on_endpoints(endpoints)
+    assert address not in service.router.healthy_endpoints()
+    assert service.router.index.match(decision.hashes, [address])  # kept
+    service._on_endpoints([e.model_copy(update={"ready": True}) for e in endpoints])
+    assert address in service.scraper._eager and address not in service.router.healthy_endpoints()
+    service.scraper.record(address, EndpointSignals(up=True, started=1000.0))
+    assert address in service.router.healthy_endpoints()
+    assert service.router.index.match(decision.hashes, [address])
+    await asyncio.sleep(0.05)  # (readiness is set by a task)
+    assert service.ready()
+    service._on_endpoints([e.model_copy(update={"ready": False}) for e in endpoints])
+    await asyncio.sleep(0.05)
+    assert not service.ready()  # (none to pick: Envoy fails open past it)
 
 
 async def test_scraped_signals_reach_the_router():
