@@ -606,11 +606,15 @@ class Router:
         ``restarted``), so that no request goes there for a prefix a restarted server no
         longer holds. Returns True when the caller should read its metrics at once."""
         i = self._position.get(address)
-        if i is None or bool(self._healthy[i]) == healthy:
+        if i is None:
             return False
-        if healthy and self._returning[i]:
-            return False  # (read at once already asked)
-        self._returning[i] = False
+        if not healthy and self._returning[i]:
+            # Failed again before its metrics were read: out, as it was (a reading that
+            # came now must not return it).
+            self._returning[i] = False
+            return False
+        if bool(self._healthy[i]) == healthy or self._returning[i]:
+            return False  # (returning: read at once already asked)
         kept = not healthy and bool(self._tells_restarts[i])
         if healthy and self._tells_restarts[i]:
             self._returning[i] = True

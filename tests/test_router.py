@@ -180,6 +180,20 @@ def test_an_endpoint_back_from_missed_probes_is_picked_once_its_metrics_are_read
     assert (router.route(chat("sticky " * 30)).endpoint == address) == read
 
 
+def test_an_endpoint_that_fails_again_before_its_metrics_are_read_stays_out():
+    """Back by its probes, then failing them again before the reading came: the reading
+    (a failed scrape of a dead server) must not return it."""
+    router = Router(RoutingConfig(), ENDPOINTS)
+    address = ENDPOINTS[0].address
+    router.observe_signals(address, True, 0, 0, tells_restarts=True)
+    router.set_health(address, False)
+    assert router.set_health(address, True)
+    assert not router.set_health(address, False)
+    router.observe_signals(address, False)
+    assert address not in router.healthy_endpoints()
+    assert router.set_health(address, True)  # back again: read again
+
+
 @pytest.mark.parametrize("tells_restarts", [True, False])
 def test_a_member_not_ready_is_not_picked_and_keeps_its_index_while_its_metrics_tell_restarts(
     tells_restarts,
