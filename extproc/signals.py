@@ -53,6 +53,9 @@ _COUNTERS = {
     "vllm:request_prefill_time_seconds_sum": "prefill_seconds",
     "vllm:request_prefill_time_seconds_count": "prefills",
     "vllm:request_prefill_kv_computed_tokens_sum": "prefill_tokens",
+    # Read only to tell a restart where no start time is exported (SGLang's processes
+    # share a multiprocess registry): it starts over with the server.
+    "sglang:prompt_tokens_total": "prompt_tokens",
 }
 
 
@@ -69,6 +72,7 @@ class EndpointSignals:
     prefill_seconds: float | None = None
     prefills: float | None = None
     prefill_tokens: float | None = None
+    prompt_tokens: float | None = None  # (SGLang's; only tells restarts)
     # Hits / queries between the last two scrapes that saw new queries.
     window_hit_ratio: float | None = None
     # (computed tokens, prefills, prefill seconds) of the requests finished since the previous
@@ -89,7 +93,7 @@ class EndpointSignals:
         time). An endpoint whose metrics tell restarts keeps its index while it misses
         probes (``Router.set_health``)."""
         return self.started is not None or any(
-            (value or 0) > 0 for value in (self.queries, self.prefills)
+            (value or 0) > 0 for value in (self.queries, self.prefills, self.prompt_tokens)
         )
 
 
@@ -185,6 +189,7 @@ class MetricsScraper(EndpointPoller[EndpointSignals]):
                 signals.prefill_seconds = previous.prefill_seconds
                 signals.prefills = previous.prefills
                 signals.prefill_tokens = previous.prefill_tokens
+                signals.prompt_tokens = previous.prompt_tokens
                 signals.started = previous.started
                 signals.read_at = previous.read_at
             restarted = signals.up and _restarted(previous, signals)
@@ -231,6 +236,7 @@ def _restarted(previous: EndpointSignals, current: EndpointSignals) -> bool:
             (previous.hits, current.hits),
             (previous.prefills, current.prefills),
             (previous.prefill_tokens, current.prefill_tokens),
+            (previous.prompt_tokens, current.prompt_tokens),
         )
     )
 

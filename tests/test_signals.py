@@ -40,6 +40,8 @@ SGLANG_TEXT = """# TYPE sglang:num_running_reqs gauge
 sglang:num_running_reqs{model_name="m"} 2.0
 sglang:num_queue_reqs{model_name="m"} 7.0
 sglang:token_usage{model_name="m"} 0.5
+# TYPE sglang:prompt_tokens_total counter
+sglang:prompt_tokens_total{model_name="m"} 8128.0
 """
 
 
@@ -50,6 +52,11 @@ def test_parse_vllm_and_sglang_names():
     assert (v.prefills, v.prefill_seconds, v.prefill_tokens) == (12.0, 0.75, 4800.0)
     s = parse_metrics(SGLANG_TEXT)
     assert (s.running, s.waiting, s.kv_usage, s.hits) == (2.0, 7.0, 0.5, None)
+    # SGLang exports no start time (a multiprocess registry): its prompt-token counter,
+    # starting over with the server, tells restarts.
+    assert s.prompt_tokens == 8128.0 and s.started is None and s.tells_restarts
+    restarted = parse_metrics(SGLANG_TEXT.replace("8128.0", "64.0"))
+    assert [u.restarted for u in _readings(s, restarted)] == [False, True]
 
 
 def test_a_server_with_several_engines_reads_as_one_endpoint():
