@@ -533,7 +533,7 @@ class ModelsConfig(_Strict):
     interval_seconds: float = Field(
         default=2.0,
         gt=0,
-        description="time between reads (a LoRA adapter loaded meanwhile is routed to once read)",
+        description="time between reads (a model no list names has them read at once)",
     )
     timeout_seconds: float = Field(default=1.0, gt=0, description="read timeout")
     api_key_env: str = Field(

@@ -5,7 +5,8 @@ faster. This server reproduces just that behaviour, with vLLM's API and metric n
 
 * OpenAI-compatible ``/v1/chat/completions`` and ``/v1/completions`` (streaming SSE and
   plain JSON), ``usage.prompt_tokens_details.cached_tokens``, ``/v1/models``, ``/health``,
-  ``POST /reset_prefix_cache`` and ``/metrics`` with vLLM's ``vllm:*`` series.
+  ``POST /reset_prefix_cache``, ``POST /v1/load_lora_adapter`` (the adapter's name is
+  listed and served from then on) and ``/metrics`` with vLLM's ``vllm:*`` series.
 * A block-level prefix cache: the prompt is rendered with a toy chat template, "tokenized"
   as ``bytes_per_token`` UTF-8 bytes per token, cut into full blocks of ``block_tokens``
   tokens and chain-hashed with blake2b. It deliberately shares no code with the router's
@@ -152,6 +153,8 @@ class ReplicaState:
     held_blocks: dict[bytes, int] = field(default_factory=dict)  # running requests' full blocks
     private_blocks: int = 0  # running requests' partial-prompt and output blocks
     started: float = field(default_factory=time.time)  # this server's start (Unix time)
+    # LoRA adapters loaded at run time (vLLM's /v1/load_lora_adapter): name -> path.
+    adapters: dict[str, str] = field(default_factory=dict)
 
     def observe_ttft(self, seconds: float) -> None:
         self.ttft_sum += seconds
@@ -290,7 +293,7 @@ class Replica:
         if not isinstance(body, dict):
             raise ApiError(400, "request body must be a JSON object")
         model = body.get("model") or self.settings.model
-        if model != self.settings.model:
+        if model != self.settings.model and model not in self.state.adapters:
             raise ApiError(404, f"The model `{model}` does not exist.", "NotFoundError")
         prompt = (render_chat(body) if chat else render_completion(body)).encode()
         out_tokens, client_limited = output_budget(body, self.settings)
@@ -548,16 +551,34 @@ def build_app(settings: ReplicaSettings) -> web.Application:
         return web.Response()
 
     async def models(_: web.Request) -> web.Response:
-        card = {
-            "id": settings.model,
-            "object": "model",
-            "created": int(time.time()),
-            "owned_by": "vllm",
-            "root": settings.model,
-            "parent": None,
-            "max_model_len": settings.capacity_tokens,
-        }
-        return web.json_response({"object": "list", "data": [card]})
+        cards = [
+            {
+                "id": name,
+                "object": "model",
+                "created": int(time.time()),
+                "owned_by": "vllm",
+                "root": root,
+                "parent": parent,
+                "max_model_len": settings.capacity_tokens,
+            }
+            for name, root, parent in [
+                (settings.model, settings.model, None),
+                *((n, path, settings.model) for n, path in replica.state.adapters.items()),
+            ]
+        ]
+        return web.json_response({"object": "list", "data": cards})
+
+    async def load_lora_adapter(request: web.Request) -> web.Response:
+        """As vLLM's (with VLLM_ALLOW_RUNTIME_LORA_UPDATING): the adapter is listed and
+        served from now on."""
+        body = orjson.loads(await request.read() or b"{}")
+        name, path = body.get("lora_name"), body.get("lora_path")
+        if not isinstance(name, str) or not name or not isinstance(path, str) or not path:
+            raise ApiError(400, "Both 'lora_name' and 'lora_path' must be provided.")
+        if name in replica.state.adapters:
+            raise ApiError(400, f"The lora adapter '{name}' has already been loaded.")
+        replica.state.adapters[name] = path
+        return web.Response(text=f"Success: LoRA adapter '{name}' added successfully.")
 
     async def reset_prefix_cache(_: web.Request) -> web.Response:
         replica.state.cache.clear()
@@ -583,6 +604,7 @@ def build_app(settings: ReplicaSettings) -> web.Application:
     app.router.add_post("/v1/completions", completions)
     app.router.add_get("/health", health)
     app.router.add_get("/v1/models", models)
+    app.router.add_post("/v1/load_lora_adapter", load_lora_adapter)
     app.router.add_post("/reset_prefix_cache", reset_prefix_cache)
     app.router.add_get("/metrics", metrics)
     return app

@@ -11,7 +11,10 @@ its list is read within ~0.1 s).
 
 Pools exist only where the known lists differ. With one list everywhere (one model, or
 servers that ignore ``model``: TGI's clients send "tgi") a model no list names goes
-anywhere, as before: the server decides.
+anywhere, as before: the server decides. A model no list names has the lists read again at
+once (``take_unknown``; the service limits how often): a LoRA adapter loaded at run time
+(vLLM's ``/v1/load_lora_adapter``) is routed to its servers within ~0.1 s, not at the next
+round.
 
 Endpoints that left (a pod that failed its readiness probe leaves the discovered set) are
 remembered for REMEMBER_SECONDS: one that comes back starts with its last list, and a
@@ -45,6 +48,9 @@ class ModelPools:
         # Endpoints that left: address -> (their last list read, when they left).
         self._departed: dict[str, tuple[frozenset[str], float]] = {}
         self._departed_models: dict[str, float] = {}  # model -> when its last server left
+        # The last model asked for that no list read names (an adapter loaded at run time,
+        # maybe): the service reads the lists again at once (``take_unknown``).
+        self._unknown: str | None = None
 
     def set_endpoints(
         self,
@@ -134,11 +140,17 @@ class ModelPools:
         left = self._departed_models.get(model)
         if left is not None and now - left < REMEMBER_SECONDS:
             return self._any | self._unasked  # (only those may serve it now: else a 503)
+        self._unknown = model
         if self._pools == 1:
             return None
         if not self._open.any():
             raise NotRoutable("unknown_model")
         return self._open
+
+    def take_unknown(self) -> str | None:
+        """The last model asked for that no list names, once (None: none since)."""
+        model, self._unknown = self._unknown, None
+        return model
 
     def served(self, i: int) -> frozenset[str] | None:
         """Endpoint ``i``'s models; None while not known."""

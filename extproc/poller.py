@@ -111,11 +111,18 @@ class EndpointPoller(Generic[Result]):
         assert self.new_address_seconds is not None
         while True:
             await asyncio.sleep(self.new_address_seconds)
+            if self.wants_all():
+                self._eager.update(self._addresses())
             new = [a for a in self._addresses() if a not in self._polled or a in self._eager]
             if new:
                 self._eager.difference_update(new)
                 self._polled.update(new)
                 await asyncio.gather(*(self._poll_and_record(session, a) for a in new))
+
+    def wants_all(self) -> bool:
+        """Whether every endpoint is to be polled again at once (checked as often as
+        ``new_address_seconds``)."""
+        return False
 
     def unpolled(self, address: str) -> None:
         """Poll ``address`` again at once, as a new one (``new_address_seconds``)."""

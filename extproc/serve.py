@@ -121,7 +121,10 @@ class RouterService:
         self.health = health.aio.HealthServicer()
         self.checker = HealthChecker(config.health, lambda: self.router.endpoints, self._on_health)
         self.model_lister = ModelLister(
-            config.models, lambda: self.router.endpoints, self._on_models
+            config.models,
+            lambda: self.router.endpoints,
+            self._on_models,
+            unknown_model=self.router.models.take_unknown,
         )
         self.scraper = MetricsScraper(
             lambda: self.router.endpoints,

@@ -10,7 +10,9 @@ before this existed.
 from __future__ import annotations
 
 import logging
+import math
 import os
+import time
 from collections.abc import Callable, Mapping
 
 import aiohttp
@@ -27,6 +29,8 @@ MAX_MODELS = 4096
 # How often the list of an endpoint not asked yet (just discovered, or restarted) is looked
 # for between rounds: it gets no request for a model others are known to serve until read.
 NEW_ENDPOINT_SECONDS = 0.1
+# A model no list names has every list read again, for one name at most this often.
+UNKNOWN_MODEL_SECONDS = 10.0
 # A model list page larger than this is not read.
 MAX_LIST_BYTES = 4 * 2**20
 
@@ -74,9 +78,13 @@ class ModelLister(EndpointPoller["frozenset[str] | None"]):
         config: ModelsConfig,
         addresses: Callable[[], list[str]],
         on_models: Callable[[str, frozenset[str] | None], None],
+        unknown_model: Callable[[], str | None] = lambda: None,
     ) -> None:
         super().__init__(addresses, config.interval_seconds, config.timeout_seconds)
         self.config = config
+        self._unknown_model = unknown_model
+        self._asked: dict[str, float] = {}  # unknown model -> when it had the lists read
+        self._read_all_at = -math.inf
         self._headers = auth_headers(config) if config.enabled else {}
         self._on_models = on_models
         self.latest: dict[str, frozenset[str] | None] = {}
@@ -84,6 +92,23 @@ class ModelLister(EndpointPoller["frozenset[str] | None"]):
     def start(self) -> None:
         if self.config.enabled:
             super().start()
+
+    def wants_all(self) -> bool:
+        """A request named a model no list names (an adapter loaded since the last read,
+        maybe): every list is read again at once, at most once a second, and for one name
+        once in UNKNOWN_MODEL_SECONDS (a client sending a name no server serves, or TGI's
+        "tgi", costs one read of each list that often)."""
+        model = self._unknown_model()
+        now = time.monotonic()
+        if model is None or now - self._read_all_at < 1.0:
+            return False
+        if now - self._asked.get(model, -math.inf) < UNKNOWN_MODEL_SECONDS:
+            return False
+        if len(self._asked) >= MAX_MODELS:
+            self._asked = {m: t for m, t in self._asked.items() if now - t < UNKNOWN_MODEL_SECONDS}
+        self._asked[model] = self._read_all_at = now
+        log.info("model %r is in no list read: reading every endpoint's list again", model)
+        return True
 
     async def poll(self, session: aiohttp.ClientSession, address: str) -> frozenset[str] | None:
         url = f"http://{address}{self.config.path}"

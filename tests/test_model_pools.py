@@ -343,3 +343,37 @@ async def test_an_endpoint_discovery_brings_back_is_read_again_at_once():
     finally:
         await svc.stop(0)
         await runner.cleanup()
+
+
+def test_a_model_no_list_names_has_every_list_read_again_at_once_within_limits(
+    monkeypatch: pytest.MonkeyPatch,
+):
+    """An adapter loaded at run time is in no list until the next round: its first request
+    asks for every list at once. Not more than once a second, and for one name (TGI's
+    "tgi", a client's typo) once in UNKNOWN_MODEL_SECONDS."""
+    from extproc import served_models
+
+    router = Router(RoutingConfig(), [EndpointConfig(address=a) for a in A + B])
+    for address in A + B:
+        router.observe_models(address, frozenset({"base"}))
+    assert router.models.take_unknown() is None
+    router.route(chat("base", "known " * 30))
+    assert router.models.take_unknown() is None  # a model a list names
+    cfg = load_config(None, {}, environ={})
+    lister = ModelLister(cfg.models, lambda: A + B, lambda a, m: None, router.models.take_unknown)
+    now = [1000.0]
+    monkeypatch.setattr(served_models.time, "monotonic", lambda: now[0])
+    router.route(chat("sql-lora", "new adapter " * 30))  # (any endpoint: one list)
+    assert lister.wants_all()
+    assert not lister.wants_all()  # (taken)
+    now[0] += 0.5
+    router.route(chat("other-lora", "another " * 30))
+    assert not lister.wants_all()  # within a second of the last
+    now[0] += 1.0
+    router.route(chat("sql-lora", "again " * 30))
+    assert not lister.wants_all()  # this name, within UNKNOWN_MODEL_SECONDS
+    router.route(chat("other-lora", "another " * 30))
+    assert lister.wants_all()
+    now[0] += served_models.UNKNOWN_MODEL_SECONDS
+    router.route(chat("sql-lora", "again " * 30))
+    assert lister.wants_all()

@@ -81,3 +81,41 @@ def test_without_the_model_lists_requests_land_in_the_wrong_pool():
             routed.send(_chat("pool-b", f"question {k} for pool-b " * 20)).status for k in range(12)
         ]
         assert 404 in statuses and 200 in statuses
+
+
+def test_an_adapter_loaded_at_run_time_is_routed_to_its_server_before_the_next_round():
+    """A LoRA adapter loaded on one replica (vLLM's /v1/load_lora_adapter): the first
+    requests for it name a model no list read names, which has the router read every list
+    again at once. With the lists' rounds 60 s apart, only that read can teach it where the
+    adapter is within this test; before, the requests went anywhere (404s on the others)
+    until the next round."""
+    with Stack() as stack:
+        members = stack.start_replicas(3, [*FAST, "--model", "base"])
+        routed = start_routed_stack(
+            stack,
+            "override-host",
+            "buffered",
+            members,
+            ["--set", "models.interval_seconds=60"],
+        )
+        admin = stack.router_admin_ports["router"]
+        deadline = time.monotonic() + 10
+        while len(_models_known(admin)) < 3:  # every list read once
+            assert time.monotonic() < deadline, _models_known(admin)
+            time.sleep(0.2)
+        body = json.dumps({"lora_name": "sql-lora", "lora_path": "/adapters/sql"}).encode()
+        load = urllib.request.Request(f"http://{members[2]}/v1/load_lora_adapter", data=body)
+        with urllib.request.urlopen(load, timeout=5) as response:
+            assert response.status == 200
+        statuses = []
+        deadline = time.monotonic() + 10
+        while len(statuses) < 8 or statuses[-8:] != [(200, "replica-3")] * 8:
+            assert time.monotonic() < deadline, statuses
+            response = routed.send(_chat("sql-lora", f"question {len(statuses)} " * 20))
+            statuses.append((response.status, response.replica))
+            time.sleep(0.05)
+        deadline = time.monotonic() + 5
+        while (members[2], "sql-lora") not in _models_known(admin):  # (gauges: every second)
+            assert time.monotonic() < deadline, _models_known(admin)
+            time.sleep(0.2)
+        print(f"requests for the adapter until it was routed: {len(statuses) - 8}: {statuses}")
