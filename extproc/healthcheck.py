@@ -6,7 +6,7 @@ otherwise (NOT_SERVING, unknown service, refused, timed out). The address defaul
 configured ``server.listen`` (same file/env as `serve`), with a wildcard host replaced by
 loopback. Services: "" (overall), "liveness", "readiness",
 "envoy.service.ext_proc.v3.ExternalProcessor"; "readiness" is NOT_SERVING while the router
-has no endpoints.
+has no ready endpoint.
 """
 
 from __future__ import annotations

@@ -211,8 +211,8 @@ class Router:
         """Replace the endpoint set; keeps load and index of endpoints that stay. A member
         no longer ready is not picked, and keeps its index only while its metrics tell
         restarts (as a member that fails its probes: ``set_health``); one ready again is
-        picked once its metrics have been read. Returns the endpoints whose metrics the
-        caller should read at once."""
+        picked once its metrics have been read. Returns the endpoints ready again: the
+        caller reads their metrics and model lists at once."""
         addresses = [e.address for e in endpoints]
         keep = [self._position.get(a, -1) for a in addresses]
         capacities, configured = [], []
@@ -267,7 +267,7 @@ class Router:
         self._capacity_configured = configured
         self.index.set_endpoints(dict(zip(addresses, capacities, strict=True)))
         self.models.set_endpoints(addresses, [e.models for e in endpoints], keep, self.clock())
-        to_read = []
+        ready_again = []
         for i in np.flatnonzero(was_held != self._held).tolist():
             address = addresses[i]
             if self._held[i]:
@@ -282,11 +282,12 @@ class Router:
             elif self._healthy[i] and self._tells_restarts[i]:
                 self._healthy[i] = False  # picked once its metrics are read (_returned)
                 self._returning[i] = True
-                to_read.append(address)
+                ready_again.append(address)
                 log.warning("endpoint %s is ready again; reading its metrics", address)
             else:
+                ready_again.append(address)
                 log.warning("endpoint %s is ready again", address)
-        return to_read
+        return ready_again
 
     def observe_signals(
         self,
@@ -648,8 +649,13 @@ class Router:
         )
 
     def observe_models(self, address: str, models: frozenset[str] | None) -> None:
-        """The endpoint's model list as read (None: unreadable; it is then sent any model)."""
+        """The endpoint's model list as read (None: unreadable; it is then sent any model).
+        A not-ready member whose list is not known stays not asked (a pod still loading
+        its model answers no list; read as "any model", it would join every pool when
+        ready, until the next round): its list is read when it is ready."""
         i = self._position.get(address)
+        if i is not None and models is None and self._held[i] and self.models.served(i) is None:
+            return
         if i is not None and self.models.observe(i, models):
             log.info("endpoint %s: models %s", address, sorted(models or ()) or "any")
 
@@ -884,10 +890,18 @@ class Router:
         address = decision.served or decision.endpoint
         i = self._charged_position(decision)
         # An endpoint removed meanwhile holds nothing here, nor one found dead meanwhile
-        # (set_health emptied its index: a restarted server comes back with an empty cache).
-        if i is not None and self._healthy[i]:
+        # (set_health emptied its index: a restarted server comes back with an empty cache),
+        # nor one not ready whose index was emptied so (_holds_what_it_is_sent).
+        if i is not None and self._holds_what_it_is_sent(i):
             self.index.record_position(i, decision.hashes)
             self._log_placement(address, decision.hashes)
+
+    def _holds_what_it_is_sent(self, i: int) -> bool:
+        """Whether a placement there (this router's deferred record, a peer's, which may
+        come seconds late) is taken: not on an endpoint out for failed probes, nor on one
+        not ready whose metrics tell no restarts (its index was emptied: it may be
+        restarting); one whose metrics tell restarts has them emptied at the restart."""
+        return bool(self._healthy[i]) and (not self._held[i] or bool(self._tells_restarts[i]))
 
     def _placed_view(self, positions: np.ndarray, now: float) -> tuple[np.ndarray | None, int]:
         """The placed work cold starts balance by, and among how many of a key's first
@@ -1014,7 +1028,7 @@ class Router:
         recorded = 0
         for placement in reversed(placements):  # newest first
             i = self._position.get(placement.endpoint)
-            if i is None or not self._healthy[i]:
+            if i is None or not self._holds_what_it_is_sent(i):
                 continue
             if placement.router != self.instance and len(placement.hashes):
                 by_position.setdefault(i, []).append(placement.hashes[: self.config.max_blocks])

@@ -167,6 +167,7 @@ class RouterService:
         self._discovery_failures_seen = 0
         self._background: set[asyncio.Task[None]] = set()
         self._ready = False
+        self._back_since: dict[str, float] = {}  # endpoint back -> when (scraper's clock)
         self._stopping = False
         self.tls: CertificateReloader | None = None
         self.service: ExternalProcessorService | None = None
@@ -192,13 +193,25 @@ class RouterService:
 
     def _on_health(self, address: str, healthy: bool) -> None:
         if self.router.set_health(address, healthy):
-            self.scraper.unpolled(address)  # (picked again once its metrics are read)
+            self._read_at_once(address)  # (picked again once its metrics are read)
+
+    def _read_at_once(self, address: str) -> None:
+        """Read an endpoint's metrics now (it is back: picked once they are read); a failed
+        scrape asked before (during a network blip, answered only by the timeout) tells
+        nothing about it now and is not taken for this reading."""
+        self._back_since[address] = self.scraper.clock()
+        self.scraper.unpolled(address)
 
     def _on_signals(self, address: str, signals: EndpointSignals) -> None:
         """An endpoint's own metrics: published, and fed to the scheduler (load, KV)."""
         if not self.router.is_member(address):
             return  # a scrape that was under way when the endpoint was removed
         self.metrics.record_signals(address, signals)
+        back = self._back_since.get(address)
+        if back is not None:
+            if not signals.up and (signals.asked_at or 0.0) < back:
+                return  # (asked before it was back: the reading asked since decides)
+            del self._back_since[address]
         if signals.restarted:
             self.model_lister.unpolled(address)  # (adapters loaded at run time are gone)
             # Not if the events' sequence told it first: their table holds the new server's.
@@ -291,11 +304,14 @@ class RouterService:
         """Discovery changed the endpoint set: removed endpoints' index entries are dropped;
         one ready again is picked once its metrics have been read (at once)."""
         before = set(self.router.endpoints)
-        for address in self.router.set_endpoints(endpoints):
-            self.scraper.unpolled(address)
+        for address in self.router.set_endpoints(endpoints):  # ready again
+            self._read_at_once(address)
+            self.model_lister.unpolled(address)  # (a pod that was loading answered none)
         for endpoint in endpoints:
             if endpoint.address not in before:
                 self.model_lister.unpolled(endpoint.address)
+        members = set(self.router.endpoints)
+        self._back_since = {a: t for a, t in self._back_since.items() if a in members}
         log.info(
             "endpoints now: %s",
             ", ".join(e.address + ("" if e.ready else " (not ready)") for e in endpoints)
@@ -495,7 +511,10 @@ class _Supervisor:
 
     def ready(self) -> bool:
         alive = any(p.is_alive() for p in self.workers)
-        known = bool(self.config.endpoints) or self.config.discovery.kind != "static"
+        # (With discovery the workers' gRPC readiness tells whether one is ready.)
+        known = (
+            any(e.ready for e in self.config.endpoints) or self.config.discovery.kind != "static"
+        )
         return alive and not self.stopping and known
 
     def on_signal(self, signum: int, _frame: object) -> None:

@@ -85,6 +85,7 @@ class EndpointSignals:
     # Restarted: the new server started no earlier than this (its start time, or else when
     # the old one was last read), for telling a restart the KV-cache events told already.
     started_after: float | None = None
+    asked_at: float | None = None  # when this reading was asked for (the scraper's clock)
 
     @property
     def tells_restarts(self) -> bool:
@@ -166,8 +167,11 @@ class MetricsScraper(EndpointPoller[EndpointSignals]):
         self.clock: Callable[[], float] = time.time  # (wall clock: start times are Unix time)
 
     async def poll(self, session: aiohttp.ClientSession, address: str) -> EndpointSignals:
+        asked = self.clock()
         signals = await fetch_parsed(session, f"http://{address}{self.path}", parse_metrics)
-        return EndpointSignals(up=False) if signals is None else signals
+        signals = EndpointSignals(up=False) if signals is None else signals
+        signals.asked_at = asked
+        return signals
 
     def forget(self, gone: set[str]) -> None:
         for address in gone:

@@ -213,13 +213,36 @@ def test_a_member_not_ready_is_not_picked_and_keeps_its_index_while_its_metrics_
     assert address not in router.healthy_endpoints()
     assert router.route(chat("sticky " * 30), allowed=frozenset({address})).endpoint is None
     assert bool(router.index.match(first.hashes, [address])) == tells_restarts
-    assert router.set_endpoints(endpoints) == ([address] if tells_restarts else [])
+    assert router.set_endpoints(endpoints) == [address]  # ready again: read its lists
     if tells_restarts:  # picked once its metrics are read
         assert address not in router.healthy_endpoints()
         router.observe_signals(address, True, 0, 0, tells_restarts=True)
     assert address in router.healthy_endpoints()
     assert bool(router.index.match(first.hashes, [address])) == tells_restarts
     assert router.route(chat("sticky " * 30), allowed=frozenset({address})).endpoint == address
+
+
+def test_nothing_is_recorded_on_a_member_not_ready_whose_index_was_emptied():
+    """Not ready, its metrics telling no restarts: its index was emptied (it may be
+    restarting), so neither this router's deferred record of a request sent just before
+    nor a peer's late placement may claim its blocks; one whose metrics tell restarts
+    keeps taking them (a restart, when told, empties them)."""
+    for tells in (False, True):
+        router = Router(RoutingConfig(), ENDPOINTS)
+        address = ENDPOINTS[0].address
+        router.observe_signals(address, True, 0, 0, tells_restarts=tells)
+        own = router.route(
+            chat("recorded late " * 30), allowed=frozenset({address}), defer_record=True
+        )
+        placed = Router(RoutingConfig(), ENDPOINTS).route(chat("a peer's " * 30))
+        router.set_endpoints(
+            [e.model_copy(update={"ready": e.address != address}) for e in ENDPOINTS]
+        )
+        router.record(own)
+        router.finish(own)
+        taken = router.observe_peer_placements([Placement("peer", address, placed.hashes)])
+        assert bool(router.index.match(own.hashes, [address])) == tells
+        assert taken == int(tells)
 
 
 def test_nothing_is_recorded_on_an_endpoint_while_it_is_dead():

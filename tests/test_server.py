@@ -568,6 +568,48 @@ async def test_a_pod_ready_again_is_picked_once_its_metrics_are_read_at_once(ser
     assert not service.ready()  # (none to pick: Envoy fails open past it)
 
 
+async def test_a_failed_scrape_asked_before_an_endpoint_was_back_does_not_return_it(service):
+    """A scrape asked during a network blip fails only at its timeout, after the probes
+    found the endpoint again: that failure says nothing about it now (taken, it emptied
+    the index of an endpoint that never restarted); the reading asked since decides."""
+    address = ENDPOINTS.split(",")[0]
+    decision = service.router.route(parse_request("chat", CHAT), allowed=frozenset({address}))
+    service.router.finish(decision)
+    service.scraper.record(address, EndpointSignals(up=True, started=1000.0))
+    service.router.set_health(address, False)
+    service.scraper.clock = lambda: 5000.0
+    service._on_health(address, True)
+    service.scraper.record(address, EndpointSignals(up=False, asked_at=4999.0))  # the blip's
+    assert address not in service.router.healthy_endpoints()
+    assert service.router.index.match(decision.hashes, [address])
+    service.scraper.record(address, EndpointSignals(up=True, started=1000.0, asked_at=5000.1))
+    assert address in service.router.healthy_endpoints()
+    assert service.router.index.match(decision.hashes, [address])  # kept: no restart
+
+
+async def test_a_pod_that_was_loading_has_its_model_list_read_when_ready(service):
+    """A new pod is not ready while it loads its model and answers no model list: not
+    read as "any model" (it would join every pool when ready, until the next round), it
+    stays not asked, and its list is read at once when it is ready."""
+    a, b, new = ENDPOINTS.split(",")
+    service.router.observe_models(a, frozenset({"model-a"}))
+    service.router.observe_models(b, frozenset({"model-b"}))
+    members = [EndpointConfig(address=x, ready=x != new) for x in (a, b, new)]
+    service._on_endpoints(members)
+    service.router.observe_models(new, None)  # its failed read while loading
+    assert service.router.served_models()[new] is None
+    service.model_lister._eager.clear()
+    service._on_endpoints([m.model_copy(update={"ready": True}) for m in members])
+    assert new in service.model_lister._eager
+    placed = set()
+    for i in range(30):
+        body = {"model": "model-a", "messages": [{"role": "user", "content": f"q{i} " * 30}]}
+        decision = service.router.route(parse_request("chat", orjson.dumps(body)))
+        service.router.finish(decision)
+        placed.add(decision.endpoint)
+    assert placed == {a}  # not on the pod whose list is not read yet
+
+
 async def test_scraped_signals_reach_the_router():
     svc, runner, address = await _service_on_a_replica(capacity_tokens=32768)
     try:
