@@ -32,6 +32,8 @@ from .prompt import NotRoutable
 
 UNASKED, ANY_MODEL, KNOWN = 0, 1, 2
 REMEMBER_SECONDS = 600.0
+# Unknown model names kept until the service takes them (every 0.1 s at most a second late).
+MAX_PENDING_UNKNOWN = 64
 
 
 class ModelPools:
@@ -48,9 +50,9 @@ class ModelPools:
         # Endpoints that left: address -> (their last list read, when they left).
         self._departed: dict[str, tuple[frozenset[str], float]] = {}
         self._departed_models: dict[str, float] = {}  # model -> when its last server left
-        # The last model asked for that no list read names (an adapter loaded at run time,
-        # maybe): the service reads the lists again at once (``take_unknown``).
-        self._unknown: str | None = None
+        # Models asked for that no list read names (an adapter loaded at run time, maybe),
+        # not yet taken: the service reads the lists again at once (``take_unknown``).
+        self._unknown: set[str] = set()
 
     def set_endpoints(
         self,
@@ -140,17 +142,18 @@ class ModelPools:
         left = self._departed_models.get(model)
         if left is not None and now - left < REMEMBER_SECONDS:
             return self._any | self._unasked  # (only those may serve it now: else a 503)
-        self._unknown = model
+        if len(self._unknown) < MAX_PENDING_UNKNOWN:
+            self._unknown.add(model)
         if self._pools == 1:
             return None
         if not self._open.any():
             raise NotRoutable("unknown_model")
         return self._open
 
-    def take_unknown(self) -> str | None:
-        """The last model asked for that no list names, once (None: none since)."""
-        model, self._unknown = self._unknown, None
-        return model
+    def take_unknown(self) -> set[str]:
+        """The models asked for since the last call that no list names."""
+        models, self._unknown = self._unknown, set()
+        return models
 
     def served(self, i: int) -> frozenset[str] | None:
         """Endpoint ``i``'s models; None while not known."""

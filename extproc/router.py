@@ -650,11 +650,11 @@ class Router:
 
     def observe_models(self, address: str, models: frozenset[str] | None) -> None:
         """The endpoint's model list as read (None: unreadable; it is then sent any model).
-        A not-ready member whose list is not known stays not asked (a pod still loading
-        its model answers no list; read as "any model", it would join every pool when
-        ready, until the next round): its list is read when it is ready."""
+        An unreadable list of a not-ready member changes nothing (a pod still loading its
+        model answers none; read as "any model", it would join every pool when ready,
+        until the next round): its list is read when it is ready."""
         i = self._position.get(address)
-        if i is not None and models is None and self._held[i] and self.models.served(i) is None:
+        if i is not None and models is None and self._held[i]:
             return
         if i is not None and self.models.observe(i, models):
             log.info("endpoint %s: models %s", address, sorted(models or ()) or "any")

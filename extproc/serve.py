@@ -124,7 +124,7 @@ class RouterService:
             config.models,
             lambda: self.router.endpoints,
             self._on_models,
-            unknown_model=self.router.models.take_unknown,
+            unknown_models=self.router.models.take_unknown,
         )
         self.scraper = MetricsScraper(
             lambda: self.router.endpoints,
@@ -167,7 +167,7 @@ class RouterService:
         self._discovery_failures_seen = 0
         self._background: set[asyncio.Task[None]] = set()
         self._ready = False
-        self._back_since: dict[str, float] = {}  # endpoint back -> when (scraper's clock)
+        self._back_since: dict[str, float] = {}  # endpoint back -> when (scraper.monotonic)
         self._stopping = False
         self.tls: CertificateReloader | None = None
         self.service: ExternalProcessorService | None = None
@@ -199,7 +199,7 @@ class RouterService:
         """Read an endpoint's metrics now (it is back: picked once they are read); a failed
         scrape asked before (during a network blip, answered only by the timeout) tells
         nothing about it now and is not taken for this reading."""
-        self._back_since[address] = self.scraper.clock()
+        self._back_since[address] = self.scraper.monotonic()
         self.scraper.unpolled(address)
 
     def _on_signals(self, address: str, signals: EndpointSignals) -> None:

@@ -78,11 +78,11 @@ class ModelLister(EndpointPoller["frozenset[str] | None"]):
         config: ModelsConfig,
         addresses: Callable[[], list[str]],
         on_models: Callable[[str, frozenset[str] | None], None],
-        unknown_model: Callable[[], str | None] = lambda: None,
+        unknown_models: Callable[[], set[str]] = set,
     ) -> None:
         super().__init__(addresses, config.interval_seconds, config.timeout_seconds)
         self.config = config
-        self._unknown_model = unknown_model
+        self._unknown_models = unknown_models
         self._asked: dict[str, float] = {}  # unknown model -> when it had the lists read
         self._read_all_at = -math.inf
         self._headers = auth_headers(config) if config.enabled else {}
@@ -97,17 +97,26 @@ class ModelLister(EndpointPoller["frozenset[str] | None"]):
         """A request named a model no list names (an adapter loaded since the last read,
         maybe): every list is read again at once, at most once a second, and for one name
         once in UNKNOWN_MODEL_SECONDS (a client sending a name no server serves, or TGI's
-        "tgi", costs one read of each list that often)."""
-        model = self._unknown_model()
+        "tgi", costs one read of each list that often; another name is not held up by
+        it)."""
         now = time.monotonic()
-        if model is None or now - self._read_all_at < 1.0:
-            return False
-        if now - self._asked.get(model, -math.inf) < UNKNOWN_MODEL_SECONDS:
+        if now - self._read_all_at < 1.0:
+            return False  # (the names wait for the next check)
+        fresh = {
+            m
+            for m in self._unknown_models()
+            if now - self._asked.get(m, -math.inf) >= UNKNOWN_MODEL_SECONDS
+        }
+        if not fresh:
             return False
         if len(self._asked) >= MAX_MODELS:
             self._asked = {m: t for m, t in self._asked.items() if now - t < UNKNOWN_MODEL_SECONDS}
-        self._asked[model] = self._read_all_at = now
-        log.info("model %r is in no list read: reading every endpoint's list again", model)
+        for model in fresh:
+            self._asked[model] = now
+        self._read_all_at = now
+        log.info(
+            "models %s are in no list read: reading every endpoint's list again", sorted(fresh)
+        )
         return True
 
     async def poll(self, session: aiohttp.ClientSession, address: str) -> frozenset[str] | None:

@@ -85,7 +85,7 @@ class EndpointSignals:
     # Restarted: the new server started no earlier than this (its start time, or else when
     # the old one was last read), for telling a restart the KV-cache events told already.
     started_after: float | None = None
-    asked_at: float | None = None  # when this reading was asked for (the scraper's clock)
+    asked_at: float | None = None  # when this reading was asked for (scraper.monotonic)
 
     @property
     def tells_restarts(self) -> bool:
@@ -165,9 +165,10 @@ class MetricsScraper(EndpointPoller[EndpointSignals]):
         self.path = path
         self.latest: dict[str, EndpointSignals] = {}
         self.clock: Callable[[], float] = time.time  # (wall clock: start times are Unix time)
+        self.monotonic: Callable[[], float] = time.monotonic  # (when readings were asked)
 
     async def poll(self, session: aiohttp.ClientSession, address: str) -> EndpointSignals:
-        asked = self.clock()
+        asked = self.monotonic()
         signals = await fetch_parsed(session, f"http://{address}{self.path}", parse_metrics)
         signals = EndpointSignals(up=False) if signals is None else signals
         signals.asked_at = asked

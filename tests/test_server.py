@@ -577,7 +577,7 @@ async def test_a_failed_scrape_asked_before_an_endpoint_was_back_does_not_return
     service.router.finish(decision)
     service.scraper.record(address, EndpointSignals(up=True, started=1000.0))
     service.router.set_health(address, False)
-    service.scraper.clock = lambda: 5000.0
+    service.scraper.monotonic = lambda: 5000.0
     service._on_health(address, True)
     service.scraper.record(address, EndpointSignals(up=False, asked_at=4999.0))  # the blip's
     assert address not in service.router.healthy_endpoints()
