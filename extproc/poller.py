@@ -107,17 +107,32 @@ class EndpointPoller(Generic[Result]):
 
     async def _poll_new(self, session: aiohttp.ClientSession) -> None:
         """Beside the rounds (one that waits for a hung endpoint included): addresses not
-        polled yet, or ``unpolled``, are polled at once."""
+        polled yet, or ``unpolled``, are polled at once, each on its own (a hung one holds
+        up no later at-once poll; one still under way is not asked again meanwhile: it is
+        asked once it answered, if wanted again)."""
         assert self.new_address_seconds is not None
-        while True:
-            await asyncio.sleep(self.new_address_seconds)
-            if self.wants_all():
-                self._eager.update(self._addresses())
-            new = [a for a in self._addresses() if a not in self._polled or a in self._eager]
-            if new:
+        under_way: dict[str, asyncio.Task[None]] = {}
+        try:
+            while True:
+                await asyncio.sleep(self.new_address_seconds)
+                if self.wants_all():
+                    self._eager.update(self._addresses())
+                current = self._addresses()
+                self._eager.intersection_update(current)  # (removed meanwhile: not kept)
+                new = [
+                    a
+                    for a in current
+                    if (a not in self._polled or a in self._eager) and a not in under_way
+                ]
                 self._eager.difference_update(new)
                 self._polled.update(new)
-                await asyncio.gather(*(self._poll_and_record(session, a) for a in new))
+                for address in new:
+                    task = asyncio.create_task(self._poll_and_record(session, address))
+                    under_way[address] = task
+                    task.add_done_callback(lambda _, a=address: under_way.pop(a, None))
+        finally:
+            for task in list(under_way.values()):
+                task.cancel()
 
     def wants_all(self) -> bool:
         """Whether every endpoint is to be polled again at once (checked as often as

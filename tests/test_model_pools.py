@@ -326,6 +326,49 @@ async def test_an_endpoint_read_again_during_a_round_held_up_by_a_hung_one_is_re
         await hung.cleanup()
 
 
+async def test_a_hung_endpoint_read_at_once_holds_up_no_other_read_at_once():
+    """Reads at once run each on their own: one of a hung endpoint (every list read again
+    for an unknown model, or its server restarted) does not hold up another endpoint's
+    until its timeout. (Told by order: the other's list comes before the hung one's
+    timeouts.)"""
+    from aiohttp import web
+
+    from extproc.fake_replica import ReplicaSettings, start_replica
+
+    runner, port = await start_replica(ReplicaSettings(name="r", model="a", port=0))
+    hung_app = web.Application()
+
+    async def hang(_: web.Request) -> web.Response:
+        await asyncio.sleep(30)
+        return web.Response()
+
+    hung_app.router.add_get("/v1/models", hang)
+    hung = web.AppRunner(hung_app, shutdown_timeout=0.1)
+    await hung.setup()
+    await web.TCPSite(hung, "127.0.0.1", 0).start()
+    hung_address = f"127.0.0.1:{hung.addresses[0][1]}"
+    address = f"127.0.0.1:{port}"
+    cfg = load_config(
+        None, {"models.interval_seconds": 30.0, "models.timeout_seconds": 3.0}, environ={}
+    )
+    told: list[str] = []
+    lister = ModelLister(cfg.models, lambda: [address, hung_address], lambda a, m: told.append(a))
+    lister.start()
+    try:
+        await _wait_for(lambda: hung_address in told, 40)  # the first round (and reads at
+        await asyncio.sleep(0.3)  # once of the endpoints new then) ended
+        told.clear()
+        lister.unpolled(hung_address)
+        await asyncio.sleep(0.3)  # its read at once is under way, hung
+        lister.unpolled(address)
+        await _wait_for(lambda: hung_address in told, 40)
+        assert told[0] == address, told
+    finally:
+        await lister.stop()
+        await runner.cleanup()
+        await hung.cleanup()
+
+
 async def test_an_endpoint_discovery_brings_back_is_read_again_at_once():
     from extproc.fake_replica import ReplicaSettings, start_replica
 
