@@ -283,9 +283,9 @@ def test_a_model_whose_servers_all_left_gets_no_endpoint_and_a_returning_one_its
     assert _placed(router, "b") == set(A)
 
 
-async def test_an_endpoint_read_again_during_a_round_held_up_by_a_hung_one_is_read_at_once():
-    """A round waits for its slowest read (a hung endpoint: the timeout); an endpoint to
-    read at once (just added, or its server restarted) is read meanwhile, not after it."""
+async def _a_replica_and_a_hung_one():
+    """A stand-in replica serving model "a" and a server whose model list never answers:
+    (the replica's runner, its port, the hung server's runner, its address)."""
     from aiohttp import web
 
     from extproc.fake_replica import ReplicaSettings, start_replica
@@ -300,9 +300,14 @@ async def test_an_endpoint_read_again_during_a_round_held_up_by_a_hung_one_is_re
     hung_app.router.add_get("/v1/models", hang)
     hung = web.AppRunner(hung_app, shutdown_timeout=0.1)
     await hung.setup()
-    site = web.TCPSite(hung, "127.0.0.1", 0)
-    await site.start()
-    hung_address = f"127.0.0.1:{hung.addresses[0][1]}"
+    await web.TCPSite(hung, "127.0.0.1", 0).start()
+    return runner, port, hung, f"127.0.0.1:{hung.addresses[0][1]}"
+
+
+async def test_an_endpoint_read_again_during_a_round_held_up_by_a_hung_one_is_read_at_once():
+    """A round waits for its slowest read (a hung endpoint: the timeout); an endpoint to
+    read at once (just added, or its server restarted) is read meanwhile, not after it."""
+    runner, port, hung, hung_address = await _a_replica_and_a_hung_one()
     address = f"127.0.0.1:{port}"
     cfg = load_config(
         None, {"models.interval_seconds": 10.0, "models.timeout_seconds": 3.0}, environ={}
@@ -331,22 +336,7 @@ async def test_a_hung_endpoint_read_at_once_holds_up_no_other_read_at_once():
     for an unknown model, or its server restarted) does not hold up another endpoint's
     until its timeout. (Told by order: the other's list comes before the hung one's
     timeouts.)"""
-    from aiohttp import web
-
-    from extproc.fake_replica import ReplicaSettings, start_replica
-
-    runner, port = await start_replica(ReplicaSettings(name="r", model="a", port=0))
-    hung_app = web.Application()
-
-    async def hang(_: web.Request) -> web.Response:
-        await asyncio.sleep(30)
-        return web.Response()
-
-    hung_app.router.add_get("/v1/models", hang)
-    hung = web.AppRunner(hung_app, shutdown_timeout=0.1)
-    await hung.setup()
-    await web.TCPSite(hung, "127.0.0.1", 0).start()
-    hung_address = f"127.0.0.1:{hung.addresses[0][1]}"
+    runner, port, hung, hung_address = await _a_replica_and_a_hung_one()
     address = f"127.0.0.1:{port}"
     cfg = load_config(
         None, {"models.interval_seconds": 30.0, "models.timeout_seconds": 3.0}, environ={}

@@ -14,38 +14,18 @@ from __future__ import annotations
 import os
 import signal
 import time
-import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 
-import orjson
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from extproc import lab, signals
 from extproc.stack import LOOPBACK, Stack, free_port
 
+from .test_vllm import _chat, _get
+
 pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.timeout(1200)]
-
-
-def _get(url: str) -> str:
-    with urllib.request.urlopen(url, timeout=10) as response:
-        return response.read().decode()
-
-
-def _chat(address: str, text: str) -> int:
-    body = {
-        "model": lab.SERVED_MODEL_NAME,
-        "messages": [{"role": "user", "content": text}],
-        "max_tokens": 4,
-    }
-    request = urllib.request.Request(
-        f"http://{address}/v1/chat/completions",
-        data=orjson.dumps(body),
-        headers={"content-type": "application/json"},
-    )
-    with urllib.request.urlopen(request, timeout=120) as response:
-        return response.status
 
 
 def _router_gauge(admin_port: int, name: str, endpoint: str) -> float:
@@ -97,7 +77,9 @@ def test_a_restart_of_vllm_with_several_api_servers_is_told_by_its_counters(
                 return _router_gauge(admin, name, address)
 
             for i in range(4):
-                assert _chat(f"{LOOPBACK}:{envoy_port}", f"Question {i}: name a colour. " * 20)
+                assert _chat(f"{LOOPBACK}:{envoy_port}", f"Question {i}: name a colour. " * 20)[
+                    "choices"
+                ]
             queries = signals.parse_metrics(_get(f"http://{address}/metrics")).queries
             assert queries, page  # counters the restart will start over
             _wait_for(lambda: gauge("prefix_router_index_entries") > 0, 10, "entries")
@@ -118,7 +100,7 @@ def test_a_restart_of_vllm_with_several_api_servers_is_told_by_its_counters(
             _wait_for(lambda: gauge("prefix_router_index_entries") == 0, 3, "emptied")
             # (told by a scrape, maybe before its probes passed: healthy a probe round later)
             _wait_for(lambda: gauge("prefix_router_endpoint_healthy") == 1, 10, "healthy")
-            assert _chat(f"{LOOPBACK}:{envoy_port}", "Question 9: name a colour. " * 20) == 200
+            assert _chat(f"{LOOPBACK}:{envoy_port}", "Question 9: name a colour. " * 20)["choices"]
             print(
                 f"vLLM --api-server-count 2: {held:.0f} entries, unhealthy after {down:.1f} s, "
                 f"kept while down ({kept:.0f}), restart told {told:.1f} s after it was healthy "

@@ -27,7 +27,7 @@ from aiohttp import web
 
 from extproc.stack import LOOPBACK, Stack, free_port, python_cli, wait_for_port, wait_ready
 
-from .conftest import FAST, REQUEST_TIMEOUT, chat, report, router_samples, total
+from .conftest import FAST, REQUEST_TIMEOUT, chat, report, router_samples, total, wait_until
 
 pytestmark = [pytest.mark.envoy]
 
@@ -123,15 +123,6 @@ class ApiServer:
             thread.join(10)
 
 
-def _wait_for(condition, seconds: float) -> bool:
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        if condition():
-            return True
-        time.sleep(0.1)
-    return False
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("restarted", [False, True], ids=["stalled", "restarted in place"])
 def test_a_pod_not_ready_for_a_while_keeps_its_index(tmp_path: Path, restarted: bool) -> None:
@@ -179,14 +170,14 @@ def test_a_pod_not_ready_for_a_while_keeps_its_index(tmp_path: Path, restarted: 
         assert held > 0
 
         api.put(victim, ports[victim], ready=False)
-        assert _wait_for(lambda: gauge("prefix_router_endpoint_healthy", victim) == 0, 5)
+        assert wait_until(lambda: gauge("prefix_router_endpoint_healthy", victim) == 0, 5)
         if restarted:  # its container restarted in place while it was not ready
             process = stack.process(victim)
             process.signal(signal.SIGKILL)
             process.process.wait(5)
             stack.respawn(process, ports[victim])
             restarts = "prefix_router_endpoint_restarts_total"
-            assert _wait_for(lambda: gauge(restarts, victim) == 1, 10)
+            assert wait_until(lambda: gauge(restarts, victim) == 1, 10)
         others = [send(chat(c, 1)).replica for c in homes if c not in paused]
         assert victim not in others  # not picked while not ready
         time.sleep(1.2)
@@ -194,7 +185,7 @@ def test_a_pod_not_ready_for_a_while_keeps_its_index(tmp_path: Path, restarted: 
         assert kept == (0 if restarted else held)  # kept unless its metrics told a restart
 
         api.put(victim, ports[victim], ready=True)
-        assert _wait_for(lambda: gauge("prefix_router_endpoint_healthy", victim) == 1, 5)
+        assert wait_until(lambda: gauge("prefix_router_endpoint_healthy", victim) == 1, 5)
         back = [send(chat(c, 1)).replica for c in paused]
         report(
             "kubernetes_not_ready",

@@ -21,22 +21,13 @@ import pytest
 
 from extproc.stack import Stack
 
-from .conftest import FAST, chat, report, router_samples, start_rig, total
+from .conftest import FAST, chat, report, router_samples, start_rig, total, wait_until
 
 pytestmark = [pytest.mark.envoy]
 
 
 def _gauge(rig, name: str, endpoint: str) -> float:
     return total(router_samples(rig.router_admin), name, endpoint=endpoint)
-
-
-def _wait_for(condition, seconds: float) -> bool:
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        if condition():
-            return True
-        time.sleep(0.1)
-    return False
 
 
 def _start_conversations(stack: Stack, rig) -> tuple[dict[int, str], str, str, float]:
@@ -169,11 +160,11 @@ def test_a_stalled_replica_keeps_its_index_and_its_conversations(told_by):
         stopped = time.monotonic()
         try:
             healthy = "prefix_router_endpoint_healthy"
-            assert _wait_for(lambda: _gauge(rig, healthy, address) == 0, 10)
+            assert wait_until(lambda: _gauge(rig, healthy, address) == 0, 10)
             detected = time.monotonic() - stopped
         finally:
             proc.signal(signal.SIGCONT)
-        assert _wait_for(lambda: _gauge(rig, healthy, address) == 1, 10)
+        assert wait_until(lambda: _gauge(rig, healthy, address) == 1, 10)
         time.sleep(1.2)
         kept = _gauge(rig, "prefix_router_index_entries", address)
         assert kept == held
