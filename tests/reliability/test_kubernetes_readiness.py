@@ -162,6 +162,10 @@ def test_a_pod_not_ready_for_a_while_keeps_its_index(tmp_path: Path, restarted: 
         def gauge(name: str, replica: str) -> float:
             return total(router_samples(admin), name, endpoint=names[replica])
 
+        # The first scrape sizes each endpoint's index by its KV cache, and a resized index
+        # starts empty: placements recorded before it would be lost (a race at start-up).
+        up = "prefix_router_endpoint_metrics_up"
+        assert wait_until(lambda: all(gauge(up, r) == 1 for r in names), 10)
         homes = {c: send(chat(c, 0)).replica for c in range(12)}
         victim = max(set(homes.values()), key=list(homes.values()).count)
         paused = [c for c, home in homes.items() if home == victim]
