@@ -180,6 +180,16 @@ class MetricsScraper(EndpointPoller[EndpointSignals]):
 
     def record(self, address: str, signals: EndpointSignals) -> None:
         previous = self.latest.get(address)
+        if (
+            previous is not None
+            and signals.asked_at is not None
+            and previous.asked_at is not None
+            and signals.asked_at < previous.asked_at
+        ):
+            # Asked before the reading already taken (a round's and a read at once of one
+            # endpoint overlap): taken after it, its counters would read as gone down (a
+            # restart) and its queues as shrunk and grown again (arrivals counted twice).
+            return
         if previous is not None and previous.up != signals.up:
             log.warning(
                 "metrics of %s %s; %s",

@@ -340,3 +340,21 @@ async def test_an_endpoint_slow_to_answer_holds_back_no_others_reading():
     finally:
         for runner in runners:
             await runner.cleanup()
+
+
+def test_a_reading_asked_before_the_one_taken_is_dropped():
+    """A round's scrape and a read at once of the same endpoint overlap (a new endpoint, or
+    one back from missed probes): the older one answered last must not be taken after the
+    newer, whose counters it would read as gone down (a false restart: the index emptied)."""
+    updates = _readings(
+        EndpointSignals(up=True, started=1000.0, queries=500.0, asked_at=2.0),
+        EndpointSignals(up=True, started=1000.0, queries=400.0, asked_at=1.0),  # older
+        EndpointSignals(up=False, asked_at=1.5),  # older too
+    )
+    assert [u.restarted for u in updates] == [False]
+    without_start = _readings(
+        EndpointSignals(up=True, queries=500.0, asked_at=2.0),
+        EndpointSignals(up=True, queries=400.0, asked_at=1.0),
+        EndpointSignals(up=True, queries=600.0, asked_at=3.0),
+    )
+    assert [u.restarted for u in without_start] == [False, False]
