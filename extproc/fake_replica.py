@@ -79,6 +79,9 @@ class ReplicaSettings:
     exports_start_time: bool = True
     # vLLM's --api-key: every /v1 path then needs "Authorization: Bearer <key>" (401 without).
     api_key: str = ""
+    # /metrics answers 503 for this long after start: a router's first scrape comes late
+    # (tests of what the router does before it knows an endpoint's KV size).
+    metrics_after_seconds: float = 0.0
 
     def __post_init__(self) -> None:
         for name in ("block_tokens", "bytes_per_token", "max_num_seqs", "output_tokens"):
@@ -86,7 +89,15 @@ class ReplicaSettings:
                 raise ValueError(f"{name} must be positive")
         if self.capacity_tokens < self.block_tokens:
             raise ValueError("capacity_tokens must hold at least one block")
-        if min(self.prefill_ms_per_token, self.base_ttft_ms, self.decode_ms_per_token) < 0:
+        if (
+            min(
+                self.prefill_ms_per_token,
+                self.base_ttft_ms,
+                self.decode_ms_per_token,
+                self.metrics_after_seconds,
+            )
+            < 0
+        ):
             raise ValueError("timings must not be negative")
         if self.max_output_tokens < self.output_tokens:
             raise ValueError("max_output_tokens must be >= output_tokens")
@@ -584,7 +595,11 @@ def build_app(settings: ReplicaSettings) -> web.Application:
         replica.state.cache.clear()
         return web.Response()
 
+    started = time.monotonic()
+
     async def metrics(_: web.Request) -> web.Response:
+        if time.monotonic() - started < settings.metrics_after_seconds:
+            return web.Response(status=503, text="metrics not served yet")
         # Pinned to 0.0.4: newer prometheus_client advertises 1.0.0 by default.
         return web.Response(
             body=generate_latest(registry), headers={"Content-Type": CONTENT_TYPE_PLAIN_0_0_4}
@@ -656,6 +671,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         ("max-num-seqs", int, "concurrently running requests; the rest wait"),
         ("output-tokens", int, "reply length without max_tokens"),
         ("max-output-tokens", int, "cap on max_tokens"),
+        ("metrics-after-seconds", float, "/metrics answers 503 for this long after start"),
     ):
         dest = flag.replace("-", "_")
         parser.add_argument(

@@ -19,6 +19,7 @@ decision costs a fixed number of numpy operations whatever the endpoint count.
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
 from functools import lru_cache
@@ -366,3 +367,38 @@ class PrefixIndex:
             capacity=sum(r.capacity for r in self._regions.values()),
             approx_bytes=self._fingerprints.nbytes + self._stamps.nbytes,
         )
+
+
+class Journal:
+    """One endpoint's index updates, in order, up to ``limit`` blocks (the oldest dropped
+    first), kept while its region's size is provisional. A resized region starts empty (a
+    fingerprint cannot be moved to a differently sized one), so the updates are replayed
+    into it: a router that placed requests on new endpoints before their first scrape told
+    their KV size lost those placements, and the next turns of those conversations went
+    anywhere (a fresh-clone run of the Kubernetes readiness test lost 3 of them)."""
+
+    def __init__(self, limit: int, since: float) -> None:
+        self.limit = limit
+        self.since = since
+        self._updates: deque[tuple[bool, np.ndarray]] = deque()
+        self._blocks = 0
+
+    def add(self, stored: bool, hashes: np.ndarray) -> None:
+        """Blocks stored (recorded) or evicted (removed) at the endpoint."""
+        if not len(hashes):
+            return
+        self._updates.append((stored, hashes))
+        self._blocks += len(hashes)
+        while self._blocks > self.limit and len(self._updates) > 1:
+            self._blocks -= len(self._updates.popleft()[1])
+
+    def clear(self) -> None:
+        self._updates.clear()
+        self._blocks = 0
+
+    def replay(self, index: PrefixIndex, position: int) -> None:
+        for stored, hashes in self._updates:
+            if stored:
+                index.record_position(position, hashes)
+            else:
+                index.remove_position(position, hashes)

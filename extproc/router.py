@@ -28,7 +28,7 @@ from .hashing import (
     root_hash,
     session_blocks,
 )
-from .index import IndexStats, PrefixIndex
+from .index import IndexStats, Journal, PrefixIndex
 from .model_pools import ModelPools
 from .placements import Placement, PlacementLog
 from .prompt import LLMRequest
@@ -69,6 +69,10 @@ BALANCE_COLD_STARTS = 512
 # Router replicas sharing placements balance a cold start between this many of its key's
 # first rendezvous picks (Router._placed_view).
 SHARED_BALANCE_CHOICES = 2
+# How long a new endpoint's index updates are journalled for replay into the region its
+# first scrape sizes (Journal): a scrape comes within ~0.1 s of an endpoint's appearance, or
+# within its probes' retries while it starts; one that tells no KV size ends it at once.
+UNSIZED_JOURNAL_SECONDS = 30.0
 
 
 class _DrainingWork:
@@ -129,6 +133,8 @@ class Router:
         self._largest_capacity = 0
         # capacity_tokens came from the config, so a scraped KV size must not override it.
         self._capacity_configured: list[bool] = []
+        # Endpoints whose index region has its provisional size, until their first scrape.
+        self._unsized: dict[str, Journal] = {}
         self._in_flight = np.zeros(0, dtype=np.int64)
         # Each endpoint's incarnation, a fresh number whenever it is added
         # (Decision.charged_generation).
@@ -265,6 +271,12 @@ class Router:
         self._capacity_blocks = capacities
         self._largest_capacity = max(capacities, default=0)
         self._capacity_configured = configured
+        now = self.clock()
+        self._unsized = {
+            e.address: self._unsized.get(e.address) or Journal(capacity, now)
+            for e, old, capacity in zip(endpoints, keep, capacities, strict=True)
+            if e.capacity_tokens is None and (old < 0 or e.address in self._unsized)
+        }
         self.index.set_endpoints(dict(zip(addresses, capacities, strict=True)))
         self.models.set_endpoints(addresses, [e.models for e in endpoints], keep, self.clock())
         ready_again = []
@@ -273,7 +285,7 @@ class Router:
             if self._held[i]:
                 kept = bool(self._tells_restarts[i])
                 if not kept:
-                    self.index.forget(address)  # (it may be restarting: nothing would tell)
+                    self._forget(address)  # (it may be restarting: nothing would tell)
                 log.warning(
                     "endpoint %s is not ready%s",
                     address,
@@ -316,8 +328,10 @@ class Router:
             return
         if self._returning[i]:
             self._returned(i, read=up)
+        journal = None
         if up:
             self._tells_restarts[i] = tells_restarts
+            journal = self._unsized.pop(address, None)  # its size is what this reading says
         finished = 0.0 if prefill_window is None else prefill_window[1]
         if prefill_window is not None:
             self._learn_prefill_rate(*prefill_window)
@@ -372,6 +386,8 @@ class Router:
                 self.index.set_endpoints(
                     dict(zip(self._addresses, self._capacity_blocks, strict=True))
                 )
+                if journal is not None:
+                    journal.replay(self.index, i)
 
     def _unseen_waiting(self, i: int, waiting: float) -> float:
         """How many of the requests endpoint ``i`` reports waiting other routers sent: at
@@ -624,7 +640,7 @@ class Router:
         self._healthy[i] = healthy
         if not healthy and not kept:
             # A restarted server comes back with an empty cache: forget what it held.
-            self.index.forget(address)
+            self._forget(address)
         log.warning(
             "endpoint %s is now %s%s",
             address,
@@ -641,7 +657,7 @@ class Router:
         self._healthy[i] = True
         address = self._addresses[i]
         if not read:
-            self.index.forget(address)
+            self._forget(address)
         log.warning(
             "endpoint %s is now healthy%s",
             address,
@@ -668,7 +684,7 @@ class Router:
         counters went down), maybe between two health probes: its cache is empty, so is
         what the index says it holds."""
         if address in self._position:
-            self.index.forget(address)
+            self._forget(address)
             log.warning("endpoint %s restarted; forgetting what it held", address)
 
     def healthy_endpoints(self) -> list[str]:
@@ -893,7 +909,7 @@ class Router:
         # (set_health emptied its index: a restarted server comes back with an empty cache),
         # nor one not ready whose index was emptied so (_holds_what_it_is_sent).
         if i is not None and self._holds_what_it_is_sent(i):
-            self.index.record_position(i, decision.hashes)
+            self._record(i, decision.hashes)
             self._log_placement(address, decision.hashes)
 
     def _holds_what_it_is_sent(self, i: int) -> bool:
@@ -997,7 +1013,7 @@ class Router:
         alone = self._share_measured and self._traffic_share >= self.config.balance_min_share
         for stored, run in itertools.groupby(events, key=lambda event: event[0]):
             if stored is None:
-                self.index.forget(address)
+                self._forget(address)
                 continue
             chains = [hashes for _, hashes in run if len(hashes)]
             if alone or not chains:
@@ -1006,7 +1022,7 @@ class Router:
                 self._record_newest_first(i, chains[::-1])  # the newest event's blocks newest
             else:
                 blocks = np.concatenate(chains).astype(np.uint64, copy=False)
-                self.index.remove_position(i, blocks)
+                self._update(i, False, blocks)
         return not alone
 
     # -- placements shared with peers -----------------------------------------------------
@@ -1044,4 +1060,32 @@ class Router:
         hashes = np.concatenate(chains).astype(np.uint64, copy=False)
         _, first = np.unique(hashes, return_index=True)
         newest = np.sort(first)[: self._capacity_blocks[i]]
-        self.index.record_position(i, hashes[newest])
+        self._record(i, hashes[newest])
+
+    # -- index updates ----------------------------------------------------------------------
+    def _record(self, i: int, hashes: np.ndarray) -> None:
+        self._update(i, True, hashes)
+
+    def _update(self, i: int, stored: bool, hashes: np.ndarray) -> None:
+        """Blocks endpoint ``i`` now holds (``stored``) or evicted, journalled while its
+        index region has its provisional size (Journal)."""
+        if stored:
+            self.index.record_position(i, hashes)
+        else:
+            self.index.remove_position(i, hashes)
+        if self._unsized:
+            address = self._addresses[i]
+            journal = self._unsized.get(address)
+            if journal is None:
+                return
+            if self.clock() - journal.since > UNSIZED_JOURNAL_SECONDS:
+                del self._unsized[address]
+            else:
+                journal.add(stored, hashes)
+
+    def _forget(self, address: str) -> None:
+        """The endpoint holds nothing (any more): neither does its index, nor its journal."""
+        self.index.forget(address)
+        journal = self._unsized.get(address)
+        if journal is not None:
+            journal.clear()

@@ -910,6 +910,71 @@ def test_kv_capacity_learned_from_the_endpoint_sizes_the_index_unless_configured
     assert router.index.capacity(learned) == 200
 
 
+def test_placements_before_the_first_scrape_outlive_the_index_resize_it_brings():
+    """The first scrape sizes an endpoint's index (its KV size) and a resized region starts
+    empty: what the router placed before it is replayed from the endpoint's journal."""
+    clock = Clock()
+    router = Router(RoutingConfig(), ENDPOINTS, clock=clock)
+    later = EndpointConfig(address="10.0.0.9:8000")
+
+    def converse(i: int):
+        system = f"session {i}: you answer questions about B-trees. " * 10
+        first = router.route(chat("What is a B-tree?", system=system))
+        router.finish(first)
+        return first, chat("What is a B-tree?", "A tree.", "And a trie?", system=system)
+
+    turns = [converse(i) for i in range(8)]
+    router.set_endpoints([*ENDPOINTS, later])  # a pod added later starts its own journal
+    clock.now += 5.0
+    added = None
+    for i in range(8, 40):
+        first, follow_up = converse(i)
+        if first.endpoint == later.address:
+            added = (first, follow_up)
+            break
+    assert added is not None
+    # An endpoint that restarted before its first scrape held nothing: nothing is replayed.
+    restarted = turns[0][0].endpoint
+    router.restarted(restarted)
+    for e in [*ENDPOINTS, later]:
+        # Each endpoint's KV size differs from the provisional one.
+        router.observe_signals(e.address, up=True, kv_capacity_tokens=100_000)
+        assert router.index.capacity(e.address) == 100_000 * 4 // 64
+    assert router.index.entries_by_endpoint()[restarted] == 0
+    kept = [(first, follow_up) for first, follow_up in turns if first.endpoint != restarted]
+    assert len(kept) >= 4
+    for first, follow_up in [*kept, added]:
+        second = router.route(follow_up)
+        router.finish(second)
+        assert second.rule == RULE_AFFINITY and second.endpoint == first.endpoint
+        assert second.matched_blocks == first.total_blocks
+    # The journal ends with the first scrape: a resize after it starts empty, as before.
+    router.observe_signals(later.address, up=True, kv_capacity_tokens=200_000)
+    assert router.index.entries_by_endpoint()[later.address] == 0
+
+
+def test_an_endpoint_journal_is_bounded_in_time_and_blocks():
+    clock = Clock()
+    router = Router(RoutingConfig(default_capacity_tokens=1600), ENDPOINTS[:1], clock=clock)
+    address = ENDPOINTS[0].address
+    requests = [chat("hello", system=f"conversation {i} " * 200) for i in range(6)]
+    decisions = []
+    for request in requests:  # 1,600 tokens: 100 blocks; each request's prompt ~47 of them
+        decision = router.route(request)
+        router.finish(decision)
+        decisions.append(decision)
+    assert sum(d.total_blocks for d in decisions) > 100
+    router.observe_signals(address, up=True, kv_capacity_tokens=100_000)
+    matched = [router.index.match(d.hashes, [address]).get(address, 0) for d in decisions]
+    assert matched[-1] == decisions[-1].total_blocks and matched[0] == 0  # oldest dropped
+    router = Router(RoutingConfig(), ENDPOINTS[:1], clock=clock)
+    clock.now += 31.0
+    decision = router.route(requests[0])
+    router.finish(decision)
+    router.observe_signals(address, up=True, kv_capacity_tokens=100_000)
+    assert router.index.entries_by_endpoint()[address] == 0  # past the journal's time
+
+
 def test_prefill_done_releases_the_charge_but_not_the_in_flight_count():
     clock = Clock()
     router = Router(RoutingConfig(), ENDPOINTS, clock=clock)
