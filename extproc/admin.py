@@ -2,7 +2,7 @@
 
 GET /metrics           Prometheus text (all workers' totals with --workers N)
 GET /healthz           200 while the process runs
-GET /readyz            200 when a ready endpoint is known (and, with workers, one is alive); else 503
+GET /readyz            200 when a ready endpoint is known (with workers: a live worker says so); else 503
 GET /debug/decisions   the last N decisions with their full explanation, newest first
                        (?limit=K, ?outcome=routed|pass_through|no_endpoint|error)
 GET /peer/placements   this replica's recent placements for its peers (placements.py;

@@ -97,7 +97,9 @@ class RouterService:
     """The gRPC server, router, probes, scraper and (single-process) admin of one worker.
 
     ``decision_sink`` replaces the local decision log in worker processes: the supervisor
-    owns the admin endpoint and collects every worker's decisions.
+    owns the admin endpoint and collects every worker's decisions; ``readiness_sink`` is
+    told this worker's readiness (at each change, and every second), which the supervisor's
+    /readyz answers by.
     """
 
     def __init__(
@@ -108,6 +110,7 @@ class RouterService:
         tracer: DecisionTracer | None = None,
         placement_sink: Callable[[list[Placement]], None] | None = None,
         translation: Translation | None = None,
+        readiness_sink: Callable[[bool], None] | None = None,
     ) -> None:
         """``translation``: the KV-cache events' translation, when start-up already loaded
         it to check the configuration (else loaded here)."""
@@ -117,6 +120,7 @@ class RouterService:
         self.metrics = process_metrics()
         self.decisions = DecisionLog(config.server.decisions_kept)
         self._decision_sink = decision_sink or self.decisions.add
+        self._readiness_sink = readiness_sink
         self.tracer = tracer if tracer is not None else DecisionTracer(tracer_from_env())
         self.health = health.aio.HealthServicer()
         self.checker = HealthChecker(config.health, lambda: self.router.endpoints, self._on_health)
@@ -327,6 +331,8 @@ class RouterService:
             try:
                 self.metrics.refresh(self.router)
                 self._forward_placements()
+                if self._readiness_sink is not None:
+                    self._readiness_sink(self._ready)  # (again: a message may be dropped)
                 source = self._discovery_source
                 if source is not None and source.failures > self._discovery_failures_seen:
                     self.metrics.discovery_failures.inc(
@@ -340,6 +346,8 @@ class RouterService:
     async def _set_serving(self, ready: bool) -> None:
         ready = ready and not self._stopping  # discovery must not undo a drain
         self._ready = ready
+        if self._readiness_sink is not None:
+            self._readiness_sink(ready)
         serving = health_pb2.HealthCheckResponse.SERVING
         not_serving = health_pb2.HealthCheckResponse.NOT_SERVING
         await self.health.set("liveness", serving)
@@ -394,9 +402,15 @@ async def serve_until_signalled(
     serve_admin: bool = True,
     placement_sink: Callable[[list[Placement]], None] | None = None,
     translation: Translation | None = None,
+    readiness_sink: Callable[[bool], None] | None = None,
 ) -> None:
     service = RouterService(
-        config, decision_sink, serve_admin, placement_sink=placement_sink, translation=translation
+        config,
+        decision_sink,
+        serve_admin,
+        placement_sink=placement_sink,
+        translation=translation,
+        readiness_sink=readiness_sink,
     )
     port = await service.start()
     frozen = freeze_start_up_heap()
@@ -470,6 +484,7 @@ def _worker_main(config_data: dict[str, Any], log_level: str, connection: Any) -
             lambda record: to_supervisor.put("decision", record),
             serve_admin=False,
             placement_sink=lambda batch: to_supervisor.put("placements", batch),
+            readiness_sink=lambda ready: to_supervisor.put("ready", ready),
         )
     )
 
@@ -493,6 +508,8 @@ class _Supervisor:
         self.received: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
         self.stopping = False
         self.workers: list[multiprocessing.process.BaseProcess] = []
+        # Each worker's readiness as it last reported it, by pid.
+        self.worker_ready: dict[int | None, bool] = {}
 
     def spawn(self) -> multiprocessing.process.BaseProcess:
         reader, writer = self.ctx.Pipe(duplex=False)
@@ -500,22 +517,28 @@ class _Supervisor:
         process.start()
         writer.close()  # the worker's copy is the only one: its death ends the pipe
         threading.Thread(
-            target=self._read, args=(reader,), name=f"from-worker-{process.pid}", daemon=True
+            target=self._read,
+            args=(reader, process.pid),
+            name=f"from-worker-{process.pid}",
+            daemon=True,
         ).start()
         return process
 
-    def _read(self, reader: Any) -> None:
+    def _read(self, reader: Any, pid: int | None) -> None:
         with contextlib.closing(reader), contextlib.suppress(EOFError, OSError):
             while True:
-                self.received.put(reader.recv())
+                kind, item = reader.recv()
+                if kind == "ready":
+                    self.worker_ready[pid] = item
+                else:
+                    self.received.put((kind, item))
 
     def ready(self) -> bool:
-        alive = any(p.is_alive() for p in self.workers)
-        # (With discovery the workers' gRPC readiness tells whether one is ready.)
-        known = (
-            any(e.ready for e in self.config.endpoints) or self.config.discovery.kind != "static"
+        """A live worker says it is ready: it serves its port and knows a ready endpoint
+        (with discovery, only the workers know; this answered ready whatever they knew)."""
+        return not self.stopping and any(
+            p.is_alive() and self.worker_ready.get(p.pid, False) for p in self.workers
         )
-        return alive and not self.stopping and known
 
     def on_signal(self, signum: int, _frame: object) -> None:
         self.stopping = True
@@ -561,6 +584,7 @@ class _Supervisor:
                 if p.is_alive():
                     continue
                 mark_process_dead(p.pid)
+                self.worker_ready.pop(p.pid, None)
                 now = time.monotonic()
                 if now - started[i] < QUICK_FAILURE_SECONDS:
                     quick_failures.append(now)

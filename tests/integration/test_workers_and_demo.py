@@ -285,3 +285,40 @@ def test_envoy_opens_more_connections_to_the_router_under_concurrency(tmp_path):
             connections = int(page.read().decode().split(":")[1])
     assert set(statuses) == {200}
     assert connections >= 3, connections  # (one for the health check, before: 2 in all)
+
+
+def test_the_supervisors_readiness_is_what_its_workers_know(tmp_path):
+    """With discovery only the workers know whether a ready endpoint exists: the
+    supervisor's /readyz (what a Kubernetes readiness probe reads) said ready regardless."""
+
+    def readyz(admin: int) -> int:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{admin}/readyz", timeout=5) as page:
+                return page.status
+        except urllib.error.HTTPError as exc:
+            return exc.code
+
+    with Stack(workdir=tmp_path) as stack:
+        (member,) = stack.start_replicas(1, FAST)
+        port = member.rsplit(":", 1)[1]
+
+        def start(name: str, dns_name: str, ready: bool) -> int:
+            discovery = ["discovery.kind=dns", f"discovery.dns_name={dns_name}"]
+            discovery += [f"discovery.dns_port={port}", "discovery.interval_seconds=0.5"]
+            args = [a for setting in discovery for a in ("--set", setting)]
+            stack.start_router([], workers=2, extra_args=args, name=name, ready=ready)
+            return stack.router_admin_ports[name]
+
+        nowhere = start("nowhere", "nothing-here.invalid", ready=False)
+        deadline = time.monotonic() + 20
+        log = tmp_path / "nowhere.log"
+        while len(re.findall(r"pid \d+ serving", log.read_text())) < 2:
+            assert time.monotonic() < deadline, "the workers did not start"
+            time.sleep(0.1)
+        statuses = []
+        for _ in range(6):  # two discovery rounds and two of the workers' reports
+            time.sleep(0.5)
+            statuses.append(readyz(nowhere))
+        assert set(statuses) == {503}, statuses
+        found = start("found", "localhost", ready=True)  # (wait_ready: 200 within its timeout)
+        assert readyz(found) == 200
