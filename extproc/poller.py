@@ -115,9 +115,9 @@ class EndpointPoller(Generic[Result]):
         try:
             while True:
                 await asyncio.sleep(self.new_address_seconds)
-                if self.wants_all():
-                    self._eager.update(self._addresses())
                 current = self._addresses()
+                if self.wants_all():
+                    self._eager.update(current)
                 self._eager.intersection_update(current)  # (removed meanwhile: not kept)
                 new = [
                     a
