@@ -370,31 +370,40 @@ class PrefixIndex:
 
 
 class Journal:
-    """One endpoint's index updates, in order, up to ``limit`` blocks (the oldest dropped
-    first), kept while its region's size is provisional. A resized region starts empty (a
-    fingerprint cannot be moved to a differently sized one), so the updates are replayed
-    into it: a router that placed requests on new endpoints before their first scrape told
-    their KV size lost those placements, and the next turns of those conversations went
-    anywhere (a fresh-clone run of the Kubernetes readiness test lost 3 of them)."""
+    """One endpoint's index updates, in order, up to ``limit`` blocks and ``MAX_UPDATES``
+    updates (the oldest dropped first), kept while its region's size is provisional. A
+    resized region starts empty (a fingerprint cannot be moved to a differently sized
+    one), so the updates are replayed into it: a router that placed requests on new
+    endpoints before their first scrape told their KV size lost those placements, and
+    the next turns of those conversations matched nothing (a fresh-clone run of the
+    Kubernetes readiness test lost 3 of them). ``since``: when its first update came (None:
+    empty)."""
 
-    def __init__(self, limit: int, since: float) -> None:
+    MAX_UPDATES = 1024  # (a replay costs ~10-40 us an update, on the event loop)
+
+    def __init__(self, limit: int) -> None:
         self.limit = limit
-        self.since = since
+        self.since: float | None = None
         self._updates: deque[tuple[bool, np.ndarray]] = deque()
         self._blocks = 0
 
-    def add(self, stored: bool, hashes: np.ndarray) -> None:
+    def add(self, stored: bool, hashes: np.ndarray, now: float) -> None:
         """Blocks stored (recorded) or evicted (removed) at the endpoint."""
         if not len(hashes):
             return
+        if self.since is None:
+            self.since = now
         self._updates.append((stored, hashes))
         self._blocks += len(hashes)
-        while self._blocks > self.limit and len(self._updates) > 1:
+        while len(self._updates) > 1 and (
+            self._blocks > self.limit or len(self._updates) > self.MAX_UPDATES
+        ):
             self._blocks -= len(self._updates.popleft()[1])
 
     def clear(self) -> None:
         self._updates.clear()
         self._blocks = 0
+        self.since = None
 
     def replay(self, index: PrefixIndex, position: int) -> None:
         for stored, hashes in self._updates:

@@ -69,9 +69,10 @@ BALANCE_COLD_STARTS = 512
 # Router replicas sharing placements balance a cold start between this many of its key's
 # first rendezvous picks (Router._placed_view).
 SHARED_BALANCE_CHOICES = 2
-# How long a new endpoint's index updates are journalled for replay into the region its
-# first scrape sizes (Journal): a scrape comes within ~0.1 s of an endpoint's appearance, or
-# within its probes' retries while it starts; one that tells no KV size ends it at once.
+# How long, from its first update, an endpoint's index updates are journalled for replay
+# into the region its first readable scrape sizes (Journal): that scrape comes within
+# ~0.1 s of an endpoint's appearance, or a scrape round after it answers; one that tells no
+# KV size ends the journal.
 UNSIZED_JOURNAL_SECONDS = 30.0
 
 
@@ -118,8 +119,12 @@ class Router:
         endpoints: Sequence[EndpointConfig] = (),
         cost: CostModel | None = None,
         clock: Callable[[], float] = time.monotonic,
+        learns_capacity: bool = True,
     ) -> None:
+        """``learns_capacity``: endpoints' KV sizes will be read (observe_signals), so an
+        endpoint without a configured one has a provisional index size until then."""
         self.config = config
+        self.learns_capacity = learns_capacity
         self.cost = cost or CostModel.from_config(config)
         self.clock = clock
         self.scheduler = Scheduler(config, self.cost)
@@ -228,6 +233,14 @@ class Router:
                 capacity = self._capacity_blocks[old]  # keep a size learned from the endpoint
             capacities.append(capacity)
             configured.append(e.capacity_tokens is not None)
+        # Provisional sizes (new, or no longer configured) are journalled until read.
+        self._unsized = {
+            e.address: self._unsized.get(e.address) or Journal(capacity)
+            for e, old, capacity in zip(endpoints, keep, capacities, strict=True)
+            if self.learns_capacity
+            and e.capacity_tokens is None
+            and (old < 0 or self._capacity_configured[old] or e.address in self._unsized)
+        }
 
         def carried(values: np.ndarray, default: float | bool, dtype: type) -> np.ndarray:
             out = np.full(len(addresses), default, dtype=dtype)
@@ -271,12 +284,6 @@ class Router:
         self._capacity_blocks = capacities
         self._largest_capacity = max(capacities, default=0)
         self._capacity_configured = configured
-        now = self.clock()
-        self._unsized = {
-            e.address: self._unsized.get(e.address) or Journal(capacity, now)
-            for e, old, capacity in zip(endpoints, keep, capacities, strict=True)
-            if e.capacity_tokens is None and (old < 0 or e.address in self._unsized)
-        }
         self.index.set_endpoints(dict(zip(addresses, capacities, strict=True)))
         self.models.set_endpoints(addresses, [e.models for e in endpoints], keep, self.clock())
         ready_again = []
@@ -332,6 +339,8 @@ class Router:
         if up:
             self._tells_restarts[i] = tells_restarts
             journal = self._unsized.pop(address, None)  # its size is what this reading says
+        elif address in self._unsized:
+            self._journal(address)  # (ends one past its time that no update came to)
         finished = 0.0 if prefill_window is None else prefill_window[1]
         if prefill_window is not None:
             self._learn_prefill_rate(*prefill_window)
@@ -909,7 +918,7 @@ class Router:
         # (set_health emptied its index: a restarted server comes back with an empty cache),
         # nor one not ready whose index was emptied so (_holds_what_it_is_sent).
         if i is not None and self._holds_what_it_is_sent(i):
-            self._record(i, decision.hashes)
+            self._update(i, True, decision.hashes)
             self._log_placement(address, decision.hashes)
 
     def _holds_what_it_is_sent(self, i: int) -> bool:
@@ -1060,12 +1069,9 @@ class Router:
         hashes = np.concatenate(chains).astype(np.uint64, copy=False)
         _, first = np.unique(hashes, return_index=True)
         newest = np.sort(first)[: self._capacity_blocks[i]]
-        self._record(i, hashes[newest])
+        self._update(i, True, hashes[newest])
 
     # -- index updates ----------------------------------------------------------------------
-    def _record(self, i: int, hashes: np.ndarray) -> None:
-        self._update(i, True, hashes)
-
     def _update(self, i: int, stored: bool, hashes: np.ndarray) -> None:
         """Blocks endpoint ``i`` now holds (``stored``) or evicted, journalled while its
         index region has its provisional size (Journal)."""
@@ -1074,14 +1080,18 @@ class Router:
         else:
             self.index.remove_position(i, hashes)
         if self._unsized:
-            address = self._addresses[i]
-            journal = self._unsized.get(address)
-            if journal is None:
-                return
-            if self.clock() - journal.since > UNSIZED_JOURNAL_SECONDS:
-                del self._unsized[address]
-            else:
-                journal.add(stored, hashes)
+            journal = self._journal(self._addresses[i])
+            if journal is not None:
+                journal.add(stored, hashes, self.clock())
+
+    def _journal(self, address: str) -> Journal | None:
+        """The endpoint's journal, unless it has none or its time is over (then none)."""
+        journal = self._unsized.get(address)
+        since = None if journal is None else journal.since
+        if since is not None and self.clock() - since > UNSIZED_JOURNAL_SECONDS:
+            del self._unsized[address]
+            return None
+        return journal
 
     def _forget(self, address: str) -> None:
         """The endpoint holds nothing (any more): neither does its index, nor its journal."""

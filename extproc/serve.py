@@ -115,7 +115,9 @@ class RouterService:
         """``translation``: the KV-cache events' translation, when start-up already loaded
         it to check the configuration (else loaded here)."""
         self.config = config
-        self.router = Router(config.routing, config.endpoints)
+        self.router = Router(
+            config.routing, config.endpoints, learns_capacity=config.signals.enabled
+        )
         self.outcomes = OutcomeCounter()
         self.metrics = process_metrics()
         self.decisions = DecisionLog(config.server.decisions_kept)

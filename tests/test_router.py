@@ -967,12 +967,38 @@ def test_an_endpoint_journal_is_bounded_in_time_and_blocks():
     router.observe_signals(address, up=True, kv_capacity_tokens=100_000)
     matched = [router.index.match(d.hashes, [address]).get(address, 0) for d in decisions]
     assert matched[-1] == decisions[-1].total_blocks and matched[0] == 0  # oldest dropped
+    # 30 s from its first update on: what came later is not replayed.
     router = Router(RoutingConfig(), ENDPOINTS[:1], clock=clock)
+    router.finish(router.route(requests[0]))
     clock.now += 31.0
-    decision = router.route(requests[0])
-    router.finish(decision)
+    router.finish(router.route(requests[1]))
     router.observe_signals(address, up=True, kv_capacity_tokens=100_000)
-    assert router.index.entries_by_endpoint()[address] == 0  # past the journal's time
+    assert router.index.entries_by_endpoint()[address] == 0
+
+
+def test_an_endpoint_journal_starts_with_its_first_update():
+    """Servers that load their model for minutes: the journal's time starts when the router
+    first places there, not when the endpoint was added (a review finding); and an endpoint
+    whose capacity is no longer configured has a provisional size again."""
+    clock = Clock()
+    configured = [e.model_copy(update={"capacity_tokens": 200_000}) for e in ENDPOINTS]
+    router = Router(RoutingConfig(), configured, clock=clock)
+    router.set_endpoints(ENDPOINTS)  # the configured size dropped: provisional again
+    for e in ENDPOINTS:
+        router.observe_signals(e.address, up=False)
+        router.set_health(e.address, False)
+    clock.now += 90.0
+    for e in ENDPOINTS:
+        router.set_health(e.address, True)
+    decisions = [router.route(chat("hi", system=f"session {i}: " * 60)) for i in range(8)]
+    for decision in decisions:
+        router.finish(decision)
+    clock.now += 0.5
+    for e in ENDPOINTS:
+        router.observe_signals(e.address, up=True, kv_capacity_tokens=100_000)
+    for decision in decisions:
+        held = router.index.match(decision.hashes, [decision.endpoint])
+        assert held.get(decision.endpoint, 0) == decision.total_blocks
 
 
 def test_prefill_done_releases_the_charge_but_not_the_in_flight_count():
