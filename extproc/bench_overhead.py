@@ -47,6 +47,10 @@ the peers' own routing-decision counters (JSON), wrk's own CPU share (near 100 %
 was the bottleneck) and the machine's busy share. CPU is read from ``/proc/<pid>/stat`` (utime
 + stime of the living processes of the tree). req/s is shown in parentheses when fewer than 3
 requests per connection finished in the cell (too short a cell for that load).
+``--cpu-hogs 0,4`` measures each cell again beside that many busy loops (processes of the
+same priority, each ending on its own a few seconds after the cell): what a router starved
+of CPU by its neighbours costs, in latency and in requests Envoy lets through unrouted when
+the router's answer takes longer than ``message_timeout`` (``f.open``).
 Every configuration is first checked with one request whose reply body must be the upstream's.
 All configurations run side by side and each cell is measured for each of them in turn, so a
 background job on a shared machine slows them alike (idle configurations cost next to nothing).
@@ -487,8 +491,29 @@ def _wait_ext_proc_healthy(running: Running, timeout: float = 10.0) -> None:
         time.sleep(0.2)
 
 
+# A busy loop that ends by itself (a run killed before it stops them leaves nothing behind).
+_HOG = "import time, sys\nend = time.monotonic() + float(sys.argv[1])\nwhile time.monotonic() < end: pass"
+
+
+def start_cpu_hogs(count: int, seconds: float) -> list[subprocess.Popen[bytes]]:
+    return [subprocess.Popen([sys.executable, "-c", _HOG, str(seconds)]) for _ in range(count)]
+
+
+def stop_cpu_hogs(hogs: list[subprocess.Popen[bytes]]) -> None:
+    for hog in hogs:
+        hog.kill()
+    for hog in hogs:
+        hog.wait()
+
+
 def measure_cell(
-    wrk: str, running: Running, upstream_pid: int, size: int, conns: int, duration: float
+    wrk: str,
+    running: Running,
+    upstream_pid: int,
+    size: int,
+    conns: int,
+    duration: float,
+    cpu_hogs: int = 0,
 ) -> dict[str, Any]:
     router_pids = _process_tree(running.router.process.pid) if running.router else []
     envoy_pids = [running.envoy.process.pid] if running.envoy else []
@@ -499,9 +524,13 @@ def measure_cell(
     upstream_before = _cpu_seconds([upstream_pid])
     peer = running.peer
     decisions_before = peer_decisions(peer.metrics_port) if peer is not None else {}
-    busy_before, steal_before, total_before = _machine_ticks()
-    result = run_wrk(wrk, running.port, size, conns, duration)
-    busy, steal, total = _machine_ticks()
+    hogs = start_cpu_hogs(cpu_hogs, duration + 5.0)
+    try:
+        busy_before, steal_before, total_before = _machine_ticks()
+        result = run_wrk(wrk, running.port, size, conns, duration)
+        busy, steal, total = _machine_ticks()
+    finally:
+        stop_cpu_hogs(hogs)
     ticks = max(1, total - total_before)
     router_cpu = _cpu_seconds(router_pids) - router_before
     envoy_cpu = _cpu_seconds(envoy_pids) - envoy_before
@@ -513,6 +542,7 @@ def measure_cell(
         "at": datetime.datetime.now(datetime.UTC).strftime("%H:%M:%S"),
         "body_bytes": size,
         "connections": conns,
+        "cpu_hogs": cpu_hogs,
         **result,
         "router_cpu_s_per_1k": round(router_cpu / n * 1000, 3),
         "envoy_cpu_s_per_1k": round(envoy_cpu / n * 1000, 3) if envoy_pids else None,
@@ -545,6 +575,7 @@ _COLUMNS = (
     ("config", 15, "config", "{}"),
     ("body", 6, "body_bytes", None),
     ("conns", 6, "connections", "{}"),
+    ("hogs", 5, "cpu_hogs", "{}"),
     ("req/s", 8, "req_per_s", "{:.0f}"),
     ("p50 ms", 8, "p50_ms", "{:.2f}"),
     ("p99 ms", 8, "p99_ms", "{:.2f}"),
@@ -610,6 +641,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--duration", type=float, default=5.0, help="seconds per cell")
     parser.add_argument(
+        "--cpu-hogs",
+        default="0",
+        metavar="N,...",
+        help="measure every cell beside each of these counts of busy-loop processes "
+        "(default 0: none)",
+    )
+    parser.add_argument(
         "--configs",
         default="all",
         help="comma list of configs ("
@@ -634,6 +672,12 @@ def run(args: argparse.Namespace) -> int:
     for cell in filter(None, args.extra_cells.split(",")):
         size, _, conns = cell.partition("x")
         cells.append((int(size) * KIB, int(conns)))
+    try:
+        hog_counts = [int(n) for n in args.cpu_hogs.split(",")]
+    except ValueError:
+        raise SystemExit(f"--cpu-hogs: not a comma list of counts: {args.cpu_hogs!r}") from None
+    if any(n < 0 or n > 64 for n in hog_counts):
+        raise SystemExit("--cpu-hogs: each count must be 0 to 64")
     for config in configs:  # install the peers (once, cached) before any clock starts
         if config.kind == "peer":
             bench_live.ensure_peer(bench_live.PEERS[config.name][0])
@@ -678,12 +722,13 @@ def run(args: argparse.Namespace) -> int:
                     check["decisions_after_warm_up"] = peer_decisions(running.peer.metrics_port)
                 checks[config.name] = check
             for size, conns in cells:
-                for running in started_configs:
-                    row = measure_cell(
-                        wrk, running, upstream.process.pid, size, conns, args.duration
-                    )
-                    rows.append(row)
-                    print(format_row(row), flush=True)
+                for hogs in hog_counts:
+                    for running in started_configs:
+                        row = measure_cell(
+                            wrk, running, upstream.process.pid, size, conns, args.duration, hogs
+                        )
+                        rows.append(row)
+                        print(format_row(row), flush=True)
             for running in started_configs:
                 if running.peer is not None:
                     checks[running.config.name]["decisions"] = peer_decisions(
@@ -721,7 +766,8 @@ def run(args: argparse.Namespace) -> int:
         Path(args.markdown).write_text(format_markdown(rows) + "\n")
     if args.plot:
         plot(rows, args.plot)
-    failed = [r for r in rows if r["errors"] or r.get("failed_open")]
+    # Beside busy loops requests let through unrouted are what is measured, not a fault.
+    failed = [r for r in rows if r["errors"] or (r.get("failed_open") and not r["cpu_hogs"])]
     return 1 if failed else 0
 
 
@@ -731,6 +777,8 @@ def plot(rows: list[dict[str, Any]], path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    fewest = min(r.get("cpu_hogs", 0) for r in rows)  # (the plot shows one hog count)
+    rows = [r for r in rows if r.get("cpu_hogs", 0) == fewest]
     sizes = sorted({r["body_bytes"] for r in rows})
     fig, axes = plt.subplots(2, len(sizes), figsize=(5 * len(sizes), 7.5), squeeze=False)
     styles = {"direct": ("k", "-"), "noop": ("grey", ":"), "peer": (None, "--")}

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -108,6 +110,25 @@ def test_bench_overhead_short(tmp_path):
             assert row["ext_proc_streams"] >= row["requests"]
     for name in ("envoy_direct", "noop_buffered", "buffered_w1"):
         assert json.loads(document["checks"][name]["reply"])["object"] == "chat.completion"
+
+
+@pytest.mark.envoy
+def test_bench_overhead_beside_busy_loops(tmp_path):
+    """--cpu-hogs measures each cell again beside as many busy loops as the machine has
+    cores: the machine is busy throughout, and the loops are gone afterwards."""
+    out = tmp_path / "hogs.json"
+    hogs = os.cpu_count() or 1
+    argv = ["bench", "overhead", "--sizes", "2", "--connections", "4", "--duration", "1"]
+    argv += ["--configs", "buffered_w1", "--cpu-hogs", f"0,{hogs}", "--json", str(out)]
+    assert main(argv) == 0  # (requests let through unrouted beside the loops are no fault)
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["cpu_hogs"] for r in rows] == [0, hogs]
+    assert all(r["requests"] > 0 and r["errors"] == 0 for r in rows)
+    assert rows[1]["machine_busy_pct"] >= 90
+    left = subprocess.run(["pgrep", "-f", "while time.monotonic"], capture_output=True)
+    assert left.stdout == b""
+    with pytest.raises(SystemExit, match="cpu-hogs"):
+        main([*argv[:-2], "--cpu-hogs", "two"])
 
 
 def test_bench_core_routing_overrides_reach_the_timed_router(tmp_path):
