@@ -51,6 +51,10 @@ requests per connection finished in the cell (too short a cell for that load).
 same priority, each ending on its own a few seconds after the cell): what a router starved
 of CPU by its neighbours costs, in latency and in requests Envoy lets through unrouted when
 the router's answer takes longer than ``message_timeout`` (``f.open``).
+``--router-cpu-limits none,0.25`` measures each cell again with the router's processes (or
+the no-op processor's, or a peer router's) under that CPU limit in cores, a cgroup's CFS
+quota as Kubernetes' ``limits.cpu`` sets it (extproc/cpu_limit.py; needs root), and reports
+the periods it was throttled in (``thr.``).
 Every configuration is first checked with one request whose reply body must be the upstream's.
 All configurations run side by side and each cell is measured for each of them in turn, so a
 background job on a shared machine slows them alike (idle configurations cost next to nothing).
@@ -78,6 +82,7 @@ from typing import Any
 import yaml
 
 from . import bench_live, envoyconf
+from .cpu_limit import CpuLimit, CpuLimitUnavailable
 from .stack import LOOPBACK, ManagedProcess, Stack, envoy_binary, free_port, wait_for_port
 
 KIB = 1024
@@ -441,6 +446,7 @@ class Running:
     envoy_admin: int | None = None
     peer: Any = None  # bench_live.Peer
     processes: list[ManagedProcess] = field(default_factory=list)
+    cpu_limit: CpuLimit | None = None  # the router's processes' cgroup (--router-cpu-limits)
 
 
 def start_config(stack: Stack, config: Config, upstreams: list[str]) -> Running:
@@ -514,6 +520,7 @@ def measure_cell(
     conns: int,
     duration: float,
     cpu_hogs: int = 0,
+    cpu_limit: float | None = None,
 ) -> dict[str, Any]:
     router_pids = _process_tree(running.router.process.pid) if running.router else []
     envoy_pids = [running.envoy.process.pid] if running.envoy else []
@@ -524,6 +531,9 @@ def measure_cell(
     upstream_before = _cpu_seconds([upstream_pid])
     peer = running.peer
     decisions_before = peer_decisions(peer.metrics_port) if peer is not None else {}
+    if running.cpu_limit is not None:
+        running.cpu_limit.set(cpu_limit)
+        throttled_before = running.cpu_limit.throttled()
     hogs = start_cpu_hogs(cpu_hogs, duration + 5.0)
     try:
         busy_before, steal_before, total_before = _machine_ticks()
@@ -543,6 +553,7 @@ def measure_cell(
         "body_bytes": size,
         "connections": conns,
         "cpu_hogs": cpu_hogs,
+        "router_cpu_limit": cpu_limit,
         **result,
         "router_cpu_s_per_1k": round(router_cpu / n * 1000, 3),
         "envoy_cpu_s_per_1k": round(envoy_cpu / n * 1000, 3) if envoy_pids else None,
@@ -553,6 +564,10 @@ def measure_cell(
         "machine_busy_pct": round(100 * (busy - busy_before) / ticks, 1),
         "machine_steal_pct": round(100 * (steal - steal_before) / ticks, 1),
     }
+    if running.cpu_limit is not None:
+        periods, seconds = running.cpu_limit.throttled()
+        row["throttled_periods"] = periods - throttled_before[0]
+        row["throttled_s"] = round(seconds - throttled_before[1], 3)
     if result["requests"] < 3 * conns:
         # Closed loop: each connection should finish a few requests for the figures to mean
         # anything; requests still in flight when wrk stops are not counted at all.
@@ -576,6 +591,7 @@ _COLUMNS = (
     ("body", 6, "body_bytes", None),
     ("conns", 6, "connections", "{}"),
     ("hogs", 5, "cpu_hogs", "{}"),
+    ("limit", 6, "router_cpu_limit", "{:g}"),
     ("req/s", 8, "req_per_s", "{:.0f}"),
     ("p50 ms", 8, "p50_ms", "{:.2f}"),
     ("p99 ms", 8, "p99_ms", "{:.2f}"),
@@ -586,6 +602,7 @@ _COLUMNS = (
     ("rss MiB", 8, "router_rss_mib", "{:.0f}"),
     ("err", 5, "errors", "{}"),
     ("f.open", 7, "failed_open", "{}"),
+    ("thr.", 6, "throttled_periods", "{}"),
     ("wrk %", 6, "wrk_cpu_pct", "{:.0f}"),
     ("busy %", 7, "machine_busy_pct", "{:.0f}"),
 )
@@ -648,6 +665,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "(default 0: none)",
     )
     parser.add_argument(
+        "--router-cpu-limits",
+        default="none",
+        metavar="CORES,...",
+        help="measure every cell with the router's processes under each of these CPU limits "
+        "(cores; 'none': no limit), a cgroup's CFS quota as Kubernetes' limits.cpu sets; "
+        "needs root (default none)",
+    )
+    parser.add_argument(
         "--configs",
         default="all",
         help="comma list of configs ("
@@ -678,6 +703,15 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit(f"--cpu-hogs: not a comma list of counts: {args.cpu_hogs!r}") from None
     if any(n < 0 or n > 64 for n in hog_counts):
         raise SystemExit("--cpu-hogs: each count must be 0 to 64")
+    try:
+        cpu_limits = [None if v == "none" else float(v) for v in args.router_cpu_limits.split(",")]
+    except ValueError:
+        raise SystemExit(
+            f"--router-cpu-limits: not a comma list of cores or 'none': {args.router_cpu_limits!r}"
+        ) from None
+    if any(v is not None and not 0.01 <= v <= 64 for v in cpu_limits):
+        raise SystemExit("--router-cpu-limits: each limit must be 0.01 to 64 cores, or none")
+    limited = any(v is not None for v in cpu_limits)
     for config in configs:  # install the peers (once, cached) before any clock starts
         if config.kind == "peer":
             bench_live.ensure_peer(bench_live.PEERS[config.name][0])
@@ -715,6 +749,13 @@ def run(args: argparse.Namespace) -> int:
             for config in configs:
                 running = start_config(stack, config, upstreams)
                 started_configs.append(running)
+                if limited and running.router is not None:
+                    try:
+                        running.cpu_limit = CpuLimit(f"prefix-router-bench-{config.name}")
+                    except CpuLimitUnavailable as exc:
+                        raise SystemExit(f"--router-cpu-limits: {exc}") from None
+                    assert running.router.process is not None
+                    running.cpu_limit.add(_process_tree(running.router.process.pid))
                 _wait_ext_proc_healthy(running)
                 check = {"reply": check_reply(running.port)}
                 run_wrk(wrk, running.port, 2 * KIB, 4, 1.0)  # warm-up
@@ -723,12 +764,20 @@ def run(args: argparse.Namespace) -> int:
                 checks[config.name] = check
             for size, conns in cells:
                 for hogs in hog_counts:
-                    for running in started_configs:
-                        row = measure_cell(
-                            wrk, running, upstream.process.pid, size, conns, args.duration, hogs
-                        )
-                        rows.append(row)
-                        print(format_row(row), flush=True)
+                    for cpu_limit in cpu_limits:
+                        for running in started_configs:
+                            row = measure_cell(
+                                wrk,
+                                running,
+                                upstream.process.pid,
+                                size,
+                                conns,
+                                args.duration,
+                                hogs,
+                                cpu_limit,
+                            )
+                            rows.append(row)
+                            print(format_row(row), flush=True)
             for running in started_configs:
                 if running.peer is not None:
                     checks[running.config.name]["decisions"] = peer_decisions(
@@ -736,6 +785,8 @@ def run(args: argparse.Namespace) -> int:
                     )
         finally:
             for running in reversed(started_configs):
+                if running.cpu_limit is not None:
+                    running.cpu_limit.close()
                 for proc in running.processes:
                     stack.stop(proc)
     order = {c.name: i for i, c in enumerate(configs)}
@@ -766,8 +817,14 @@ def run(args: argparse.Namespace) -> int:
         Path(args.markdown).write_text(format_markdown(rows) + "\n")
     if args.plot:
         plot(rows, args.plot)
-    # Beside busy loops requests let through unrouted are what is measured, not a fault.
-    failed = [r for r in rows if r["errors"] or (r.get("failed_open") and not r["cpu_hogs"])]
+    # Beside busy loops or under a limit requests let through unrouted are what is
+    # measured, not a fault.
+    failed = [
+        r
+        for r in rows
+        if r["errors"]
+        or (r.get("failed_open") and not r["cpu_hogs"] and r["router_cpu_limit"] is None)
+    ]
     return 1 if failed else 0
 
 
@@ -777,8 +834,12 @@ def plot(rows: list[dict[str, Any]], path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fewest = min(r.get("cpu_hogs", 0) for r in rows)  # (the plot shows one hog count)
-    rows = [r for r in rows if r.get("cpu_hogs", 0) == fewest]
+    # (The plot shows one setting of busy loops and limit: none of either, else the first's.)
+    def setting(row: dict[str, Any]) -> tuple[int, float | None]:
+        return row.get("cpu_hogs", 0), row.get("router_cpu_limit")
+
+    shown = (0, None) if any(setting(r) == (0, None) for r in rows) else setting(rows[0])
+    rows = [r for r in rows if setting(r) == shown]
     sizes = sorted({r["body_bytes"] for r in rows})
     fig, axes = plt.subplots(2, len(sizes), figsize=(5 * len(sizes), 7.5), squeeze=False)
     styles = {"direct": ("k", "-"), "noop": ("grey", ":"), "peer": (None, "--")}

@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -129,6 +131,63 @@ def test_bench_overhead_beside_busy_loops(tmp_path):
     assert left.stdout == b""
     with pytest.raises(SystemExit, match="cpu-hogs"):
         main([*argv[:-2], "--cpu-hogs", "two"])
+
+
+def test_a_cpu_limit_throttles_its_processes():
+    """extproc/cpu_limit.py, which ``bench overhead --router-cpu-limits`` puts the router in:
+    a busy loop under 0.1 core gets about a tenth of a core, and is let go at close."""
+    from extproc.cpu_limit import CpuLimit, CpuLimitUnavailable
+
+    try:
+        limit = CpuLimit("prefix-router-test")
+    except CpuLimitUnavailable as exc:
+        pytest.skip(str(exc))
+    loop = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        limit.set(0.1)
+        limit.add([loop.pid])
+        start = _cpu_seconds(loop.pid)
+        time.sleep(2.0)
+        used = _cpu_seconds(loop.pid) - start
+        periods, seconds = limit.throttled()
+        assert used < 0.5, used  # unlimited: ~2 s on an idle core
+        assert periods >= 5 and seconds > 0.5
+        limit.set(None)
+        start = _cpu_seconds(loop.pid)
+        time.sleep(1.0)
+        assert _cpu_seconds(loop.pid) - start > 0.3  # the limit lifted (a shared machine)
+    finally:
+        limit.close()
+        loop.kill()
+        loop.wait()
+    assert not limit.path.exists()
+
+
+@pytest.mark.envoy
+def test_bench_overhead_under_a_router_cpu_limit(tmp_path):
+    from extproc.cpu_limit import CpuLimit, CpuLimitUnavailable
+
+    try:
+        CpuLimit("prefix-router-probe").close()
+    except CpuLimitUnavailable as exc:
+        pytest.skip(str(exc))
+    out = tmp_path / "limit.json"
+    argv = ["bench", "overhead", "--sizes", "2", "--connections", "8", "--duration", "1.5"]
+    argv += ["--configs", "buffered_w1", "--router-cpu-limits", "none,0.1", "--json", str(out)]
+    assert main(argv) == 0
+    free, limited = json.loads(out.read_text())["rows"]
+    assert (free["router_cpu_limit"], limited["router_cpu_limit"]) == (None, 0.1)
+    assert free["throttled_periods"] == 0 < limited["throttled_periods"]
+    assert limited["req_per_s"] < free["req_per_s"] / 2  # ~0.1 core against ~1
+    roots = (Path("/sys/fs/cgroup"), Path("/sys/fs/cgroup/cpu"))
+    assert not [group for root in roots for group in root.glob("prefix-router-bench-*")]
+    with pytest.raises(SystemExit, match="router-cpu-limits"):
+        main([*argv[:-2], "--router-cpu-limits", "0"])
+
+
+def _cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def test_bench_core_routing_overrides_reach_the_timed_router(tmp_path):
