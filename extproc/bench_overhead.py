@@ -69,6 +69,7 @@ import json
 import os
 import resource
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -687,6 +688,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    """SIGTERM ends the run as Ctrl-C does: the processes it started are stopped, and a
+    router it limited is let go (it was left throttled in a leftover cgroup)."""
+
+    def exit_on_sigterm(signum: int, _frame: object) -> None:
+        raise SystemExit(128 + signum)
+
+    previous = signal.signal(signal.SIGTERM, exit_on_sigterm)
+    try:
+        return _run(args)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _run(args: argparse.Namespace) -> int:
     configs = select_configs(args.configs)
     wrk = ensure_wrk()
     cells = [

@@ -23,7 +23,8 @@ class CpuLimitUnavailable(RuntimeError):
 
 class CpuLimit:
     """One cgroup of its own; ``set(None)`` lifts the limit, ``close`` moves the processes
-    back and removes the group."""
+    to the hierarchy's root (not to where they came from: they are about to be stopped)
+    and removes the group."""
 
     def __init__(self, name: str) -> None:
         self.v2 = (V2_ROOT / "cgroup.controllers").exists()
@@ -37,8 +38,9 @@ class CpuLimit:
             self.path.mkdir()
         except OSError as exc:
             raise CpuLimitUnavailable(
-                f"cannot create a cgroup under {parent} ({exc}): a CPU limit needs a "
-                "writable cgroup hierarchy (root)"
+                f"cannot create a cgroup with the cpu controller under {parent} ({exc}): a "
+                "CPU limit needs a writable cgroup hierarchy (root; on cgroup v2 inside a "
+                "container the cpu controller may not be delegated)"
             ) from exc
         self._parent = parent
 

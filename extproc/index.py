@@ -376,23 +376,21 @@ class Journal:
     one), so the updates are replayed into it: a router that placed requests on new
     endpoints before their first scrape told their KV size lost those placements, and
     the next turns of those conversations matched nothing (a fresh-clone run of the
-    Kubernetes readiness test lost 3 of them). ``since``: when its first update came (None:
-    empty)."""
+    Kubernetes readiness test lost 3 of them). It ends with the endpoint's first readable
+    scrape, however late (a server loading its model for minutes); the limits bound what it
+    holds and what a replay costs."""
 
     MAX_UPDATES = 1024  # (a replay costs ~10-40 us an update, on the event loop)
 
     def __init__(self, limit: int) -> None:
         self.limit = limit
-        self.since: float | None = None
         self._updates: deque[tuple[bool, np.ndarray]] = deque()
         self._blocks = 0
 
-    def add(self, stored: bool, hashes: np.ndarray, now: float) -> None:
+    def add(self, stored: bool, hashes: np.ndarray) -> None:
         """Blocks stored (recorded) or evicted (removed) at the endpoint."""
         if not len(hashes):
             return
-        if self.since is None:
-            self.since = now
         self._updates.append((stored, hashes))
         self._blocks += len(hashes)
         while len(self._updates) > 1 and (
@@ -403,7 +401,6 @@ class Journal:
     def clear(self) -> None:
         self._updates.clear()
         self._blocks = 0
-        self.since = None
 
     def replay(self, index: PrefixIndex, position: int) -> None:
         for stored, hashes in self._updates:

@@ -69,11 +69,6 @@ BALANCE_COLD_STARTS = 512
 # Router replicas sharing placements balance a cold start between this many of its key's
 # first rendezvous picks (Router._placed_view).
 SHARED_BALANCE_CHOICES = 2
-# How long, from its first update, an endpoint's index updates are journalled for replay
-# into the region its first readable scrape sizes (Journal): that scrape comes within
-# ~0.1 s of an endpoint's appearance, or a scrape round after it answers; one that tells no
-# KV size ends the journal.
-UNSIZED_JOURNAL_SECONDS = 30.0
 
 
 class _DrainingWork:
@@ -339,8 +334,6 @@ class Router:
         if up:
             self._tells_restarts[i] = tells_restarts
             journal = self._unsized.pop(address, None)  # its size is what this reading says
-        elif address in self._unsized:
-            self._journal(address)  # (ends one past its time that no update came to)
         finished = 0.0 if prefill_window is None else prefill_window[1]
         if prefill_window is not None:
             self._learn_prefill_rate(*prefill_window)
@@ -1080,18 +1073,9 @@ class Router:
         else:
             self.index.remove_position(i, hashes)
         if self._unsized:
-            journal = self._journal(self._addresses[i])
+            journal = self._unsized.get(self._addresses[i])
             if journal is not None:
-                journal.add(stored, hashes, self.clock())
-
-    def _journal(self, address: str) -> Journal | None:
-        """The endpoint's journal, unless it has none or its time is over (then none)."""
-        journal = self._unsized.get(address)
-        since = None if journal is None else journal.since
-        if since is not None and self.clock() - since > UNSIZED_JOURNAL_SECONDS:
-            del self._unsized[address]
-            return None
-        return journal
+                journal.add(stored, hashes)
 
     def _forget(self, address: str) -> None:
         """The endpoint holds nothing (any more): neither does its index, nor its journal."""

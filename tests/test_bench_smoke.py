@@ -119,7 +119,7 @@ def test_bench_overhead_beside_busy_loops(tmp_path):
     """--cpu-hogs measures each cell again beside as many busy loops as the machine has
     cores: the machine is busy throughout, and the loops are gone afterwards."""
     out = tmp_path / "hogs.json"
-    hogs = os.cpu_count() or 1
+    hogs = min(os.cpu_count() or 1, 64)
     argv = ["bench", "overhead", "--sizes", "2", "--connections", "4", "--duration", "1"]
     argv += ["--configs", "buffered_w1", "--cpu-hogs", f"0,{hogs}", "--json", str(out)]
     assert main(argv) == 0  # (requests let through unrouted beside the loops are no fault)
@@ -183,6 +183,44 @@ def test_bench_overhead_under_a_router_cpu_limit(tmp_path):
     assert not [group for root in roots for group in root.glob("prefix-router-bench-*")]
     with pytest.raises(SystemExit, match="router-cpu-limits"):
         main([*argv[:-2], "--router-cpu-limits", "0"])
+
+
+@pytest.mark.envoy
+def test_bench_overhead_sigterm_lets_a_limited_router_go(tmp_path):
+    """SIGTERM mid-cell: the cgroup is removed and every process the run started stopped
+    (before, a router was left throttled at 0.1 core in a leftover cgroup)."""
+    from extproc.cpu_limit import CpuLimit, CpuLimitUnavailable
+
+    try:
+        CpuLimit("prefix-router-probe").close()
+    except CpuLimitUnavailable as exc:
+        pytest.skip(str(exc))
+    argv = [sys.executable, "-m", "extproc.cli", "bench", "overhead", "--configs", "buffered_w1"]
+    argv += ["--sizes", "2", "--connections", "4", "--duration", "20"]
+    bench = subprocess.Popen([*argv, "--router-cpu-limits", "0.1"], cwd=tmp_path)
+    roots = (Path("/sys/fs/cgroup"), Path("/sys/fs/cgroup/cpu"))
+    pattern = f"prefix-router-bench-buffered_w1-{bench.pid}"
+
+    def groups() -> list[Path]:
+        return [group for root in roots for group in root.glob(pattern)]
+
+    try:
+        deadline = time.monotonic() + 60
+        while not groups():
+            assert bench.poll() is None and time.monotonic() < deadline
+            time.sleep(0.2)
+        (group,) = groups()
+        started = [int(pid) for pid in (group / "cgroup.procs").read_text().split()]
+        assert started
+        time.sleep(1.0)  # mid-cell
+        bench.terminate()
+        assert bench.wait(30) == 128 + 15
+    finally:
+        if bench.poll() is None:
+            bench.kill()
+    assert not groups()
+    alive = [pid for pid in started if Path(f"/proc/{pid}").exists()]
+    assert not alive, alive
 
 
 def _cpu_seconds(pid: int) -> float:

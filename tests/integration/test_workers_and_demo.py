@@ -289,7 +289,8 @@ def test_envoy_opens_more_connections_to_the_router_under_concurrency(tmp_path):
 
 def test_the_supervisors_readiness_is_what_its_workers_know(tmp_path):
     """With discovery only the workers know whether a ready endpoint exists: the
-    supervisor's /readyz (what a Kubernetes readiness probe reads) said ready regardless."""
+    supervisor's /readyz (what an HTTP readiness probe reads; the shipped Deployment probes
+    the workers' gRPC readiness) said ready regardless."""
 
     def readyz(admin: int) -> int:
         try:
