@@ -962,6 +962,26 @@ def test_gaies_prefix_index_is_as_large_as_each_servers_cache() -> None:
         assert {lru.capacity for lru in gaie.index} == {capacity // 16}
 
 
+def test_gaie_reads_the_servers_metrics_as_last_refreshed_every_50_ms() -> None:
+    """The picker's queue and KV figures are scraped every 50 ms (upstream's default
+    --refresh-metrics-interval) and none of its own picks count in between: a queue that
+    grew since is not seen until the next refresh."""
+    request = SimRequest(0, 0.0, 4 * 16, 4, (1, 2, 3, 4), 16, 16)
+    other = SimRequest(1, 0.0, 4 * 16, 4, (9, 8, 7, 6), 16, 16)
+    later = SimRequest(2, 0.0, 4 * 16, 4, (5, 5, 5, 5), 16, 16)
+    picks = []
+    for seed in range(20):
+        replicas = [Replica(i, 100_000, CostModel()) for i in range(2)]
+        gaie = make_policy("gaie", PolicyContext(replicas, random.Random(seed), 100_000), 1, 16)
+        gaie.route(other, 0.0)  # (a refresh: both queues empty)
+        replicas[0].waiting.extend([other] * 5)  # replica 0's queue grows
+        stale = gaie.route(request, 0.04)[0]
+        fresh = gaie.route(later, 0.06)[0]
+        picks.append((stale, fresh))
+    assert {fresh for _, fresh in picks} == {1}  # the longer queue seen: avoided
+    assert {stale for stale, _ in picks} == {0, 1}  # not seen yet: a tie, either way
+
+
 def test_dynamo_with_kv_events_scores_the_workers_true_caches() -> None:
     """Dynamo's default index is fed by the engines' KV events. (1) A prefix a server holds
     that no decision of this router put there draws the request every time; the approximate

@@ -159,26 +159,39 @@ class GaiePolicy:
     on by default upstream: sized from each server's reported GPU blocks); the notes' fixed
     31,250 blocks (``LRU_BLOCKS``) was the earlier default and what the figures before Dec 5
     used (docs/benchmarks.md, "Peers made faithful to their current sources").
+    The queue and KV figures are the servers' metrics as last scraped: upstream refreshes
+    them every 50 ms (``--refresh-metrics-interval``, default and floor; the picker counts
+    none of its own picks in between), here taken at the first decision at least
+    ``REFRESH_SECONDS`` after the last (a few ms fresher than a fixed tick: a bound in its
+    favour). Until Dec 5 (night) it read them exact at every decision.
     """
 
     PREFIX_W, QUEUE_W, KV_W = 3.0, 2.0, 2.0
     BLOCK_TOKENS, MAX_BLOCKS, LRU_BLOCKS = 16, 256, 31_250
+    REFRESH_SECONDS = 0.05
 
     def __init__(self, ctx: PolicyContext) -> None:
         self.ctx = ctx
         blocks = max(1, ctx.capacity_tokens // self.BLOCK_TOKENS)
         self.index = [ChunkLRU(blocks) for _ in range(ctx.n)]
+        self.waiting: list[int] = []
+        self.kv_usage: list[float] = []
+        self.next_refresh = -math.inf
 
     def route(self, request: SimRequest, now: float) -> tuple[int, Any]:
+        if now >= self.next_refresh:
+            self.waiting = [len(r.waiting) for r in self.ctx.replicas]
+            self.kv_usage = [r.kv_usage() for r in self.ctx.replicas]
+            self.next_refresh = now + self.REFRESH_SECONDS
         ids, full, last = _truncate(request, self.BLOCK_TOKENS, self.MAX_BLOCKS)
         total = full * (len(ids) - 1) + last
-        waiting = [len(r.waiting) for r in self.ctx.replicas]
+        waiting = self.waiting
         lo, hi = min(waiting), max(waiting)
         scores = []
-        for r, replica in enumerate(self.ctx.replicas):
+        for r in range(self.ctx.n):
             prefix = self.index[r].match(ids, full, last) / total if total else 0.0
             queue = 1.0 if hi == lo else (hi - waiting[r]) / (hi - lo)
-            kv = 1.0 - replica.kv_usage()
+            kv = 1.0 - self.kv_usage[r]
             scores.append(self.PREFIX_W * prefix + self.QUEUE_W * queue + self.KV_W * kv)
         chosen = _argbest(scores, self.ctx.rng)
         if total:
