@@ -8,7 +8,9 @@ which is exact for chained ids and approximates their character- or 64-char-bloc
 granularity at the chunk size (16 tokens for generated workloads, 512 for Mooncake).
 Router-tracked state (in-flight counts, predicted caches) is per policy instance; with
 K router replicas each instance sees only the requests sent through it. Metrics a real
-router scrapes from the model servers (queue length, KV usage) are read exactly, unlagged.
+router scrapes from the model servers (queue length, KV usage) are read as often as it
+scrapes them: ours every ``signals.interval_seconds``, GAIE every 50 ms (its default);
+the others read none.
 """
 
 from __future__ import annotations
