@@ -449,6 +449,9 @@ async def serve_until_signalled(
 
 # What a worker hands its supervisor, at most this many messages behind (then dropped).
 WORKER_BACKLOG = 4096
+# A worker reports its readiness every second; one silent this long (its event loop hung or
+# stopped) is not counted ready by the supervisor's /readyz.
+WORKER_SILENT_SECONDS = 10.0
 # Workers that die within this long of their start, more than 3 per worker within
 # FAILURE_WINDOW_SECONDS, make the supervisor give up.
 QUICK_FAILURE_SECONDS = 5.0
@@ -510,8 +513,8 @@ class _Supervisor:
         self.received: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
         self.stopping = False
         self.workers: list[multiprocessing.process.BaseProcess] = []
-        # Each worker's readiness as it last reported it, by pid.
-        self.worker_ready: dict[int | None, bool] = {}
+        # Each worker's readiness as it last reported it, and when, by pid.
+        self.worker_ready: dict[int | None, tuple[bool, float]] = {}
 
     def spawn(self) -> multiprocessing.process.BaseProcess:
         reader, writer = self.ctx.Pipe(duplex=False)
@@ -531,16 +534,21 @@ class _Supervisor:
             while True:
                 kind, item = reader.recv()
                 if kind == "ready":
-                    self.worker_ready[pid] = item
+                    self.worker_ready[pid] = (item, time.monotonic())
                 else:
                     self.received.put((kind, item))
 
     def ready(self) -> bool:
-        """A live worker says it is ready: it serves its port and knows a ready endpoint
-        (with discovery, only the workers know; this answered ready whatever they knew)."""
-        return not self.stopping and any(
-            p.is_alive() and self.worker_ready.get(p.pid, False) for p in self.workers
-        )
+        """A live worker said within WORKER_SILENT_SECONDS that it is ready: it serves its
+        port and knows a ready endpoint (with discovery, only the workers know; this
+        answered ready whatever they knew, and while every worker hung)."""
+        now = time.monotonic()
+
+        def says_ready(p: multiprocessing.process.BaseProcess) -> bool:
+            ready, at = self.worker_ready.get(p.pid, (False, 0.0))
+            return ready and now - at < WORKER_SILENT_SECONDS and p.is_alive()
+
+        return not self.stopping and any(says_ready(p) for p in self.workers)
 
     def on_signal(self, signum: int, _frame: object) -> None:
         self.stopping = True

@@ -12,6 +12,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -323,3 +324,43 @@ def test_the_supervisors_readiness_is_what_its_workers_know(tmp_path):
         assert set(statuses) == {503}, statuses
         found = start("found", "localhost", ready=True)  # (wait_ready: 200 within its timeout)
         assert readyz(found) == 200
+
+
+def test_the_supervisor_is_not_ready_while_every_worker_is_silent(tmp_path):
+    """Workers report their readiness every second: when every one is stopped (a hung
+    event loop), the supervisor's /readyz turns 503 within WORKER_SILENT_SECONDS, and ready
+    again once they answer (it said ready throughout)."""
+    from extproc.serve import WORKER_SILENT_SECONDS
+
+    def readyz(admin: int) -> int:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{admin}/readyz", timeout=5) as page:
+                return page.status
+        except urllib.error.HTTPError as exc:
+            return exc.code
+
+    with Stack(workdir=tmp_path) as stack:
+        members = stack.start_replicas(1, FAST)
+        stack.start_router(members, workers=2, ready=True)
+        admin = stack.router_admin_ports["router"]
+        deadline = time.monotonic() + 20
+        pids: set[str] = set()
+        while len(pids) < 2:
+            assert time.monotonic() < deadline, "the workers did not start"
+            pids = set(re.findall(r"pid (\d+) serving", (tmp_path / "router.log").read_text()))
+            time.sleep(0.1)
+        for pid in pids:
+            os.kill(int(pid), signal.SIGSTOP)
+        try:
+            stopped = time.monotonic()
+            while readyz(admin) == 200:
+                assert time.monotonic() - stopped < WORKER_SILENT_SECONDS + 5
+                time.sleep(0.5)
+            assert time.monotonic() - stopped >= WORKER_SILENT_SECONDS - 1.5
+        finally:
+            for pid in pids:
+                os.kill(int(pid), signal.SIGCONT)
+        resumed = time.monotonic()
+        while readyz(admin) != 200:
+            assert time.monotonic() - resumed < 5
+            time.sleep(0.2)
