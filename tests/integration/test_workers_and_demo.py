@@ -293,13 +293,6 @@ def test_the_supervisors_readiness_is_what_its_workers_know(tmp_path):
     supervisor's /readyz (what an HTTP readiness probe reads; the shipped Deployment probes
     the workers' gRPC readiness) said ready regardless."""
 
-    def readyz(admin: int) -> int:
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{admin}/readyz", timeout=5) as page:
-                return page.status
-        except urllib.error.HTTPError as exc:
-            return exc.code
-
     with Stack(workdir=tmp_path) as stack:
         (member,) = stack.start_replicas(1, FAST)
         port = member.rsplit(":", 1)[1]
@@ -320,10 +313,10 @@ def test_the_supervisors_readiness_is_what_its_workers_know(tmp_path):
         statuses = []
         for _ in range(6):  # two discovery rounds and two of the workers' reports
             time.sleep(0.5)
-            statuses.append(readyz(nowhere))
+            statuses.append(_readyz(nowhere))
         assert set(statuses) == {503}, statuses
         found = start("found", "localhost", ready=True)  # (wait_ready: 200 within its timeout)
-        assert readyz(found) == 200
+        assert _readyz(found) == 200
 
 
 def test_the_supervisor_is_not_ready_while_every_worker_is_silent(tmp_path):
@@ -331,13 +324,6 @@ def test_the_supervisor_is_not_ready_while_every_worker_is_silent(tmp_path):
     event loop), the supervisor's /readyz turns 503 within WORKER_SILENT_SECONDS, and ready
     again once they answer (it said ready throughout)."""
     from extproc.serve import WORKER_SILENT_SECONDS
-
-    def readyz(admin: int) -> int:
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{admin}/readyz", timeout=5) as page:
-                return page.status
-        except urllib.error.HTTPError as exc:
-            return exc.code
 
     with Stack(workdir=tmp_path) as stack:
         members = stack.start_replicas(1, FAST)
@@ -353,7 +339,7 @@ def test_the_supervisor_is_not_ready_while_every_worker_is_silent(tmp_path):
             os.kill(int(pid), signal.SIGSTOP)
         try:
             stopped = time.monotonic()
-            while readyz(admin) == 200:
+            while _readyz(admin) == 200:
                 assert time.monotonic() - stopped < WORKER_SILENT_SECONDS + 5
                 time.sleep(0.5)
             assert time.monotonic() - stopped >= WORKER_SILENT_SECONDS - 1.5
@@ -361,6 +347,15 @@ def test_the_supervisor_is_not_ready_while_every_worker_is_silent(tmp_path):
             for pid in pids:
                 os.kill(int(pid), signal.SIGCONT)
         resumed = time.monotonic()
-        while readyz(admin) != 200:
+        while _readyz(admin) != 200:
             assert time.monotonic() - resumed < 5
             time.sleep(0.2)
+
+
+def _readyz(admin: int) -> int:
+    """The router's /readyz status (its supervisor's, with workers)."""
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{admin}/readyz", timeout=5) as page:
+            return page.status
+    except urllib.error.HTTPError as exc:
+        return exc.code
