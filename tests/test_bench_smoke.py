@@ -136,26 +136,25 @@ def test_bench_overhead_beside_busy_loops(tmp_path):
 def test_a_cpu_limit_throttles_its_processes():
     """extproc/cpu_limit.py, which ``bench overhead --router-cpu-limits`` puts the router in:
     a busy loop under 0.1 core gets about a tenth of a core, and is let go at close."""
-    from extproc.cpu_limit import CpuLimit, CpuLimitUnavailable
+    from extproc.bench_overhead import _cpu_seconds
+    from extproc.cpu_limit import CpuLimit
 
-    try:
-        limit = CpuLimit("prefix-router-test")
-    except CpuLimitUnavailable as exc:
-        pytest.skip(str(exc))
+    _skip_without_cgroups()
+    limit = CpuLimit("prefix-router-test")
     loop = subprocess.Popen([sys.executable, "-c", "while True: pass"])
     try:
         limit.set(0.1)
         limit.add([loop.pid])
-        start = _cpu_seconds(loop.pid)
+        start = _cpu_seconds([loop.pid])
         time.sleep(2.0)
-        used = _cpu_seconds(loop.pid) - start
+        used = _cpu_seconds([loop.pid]) - start
         periods, seconds = limit.throttled()
         assert used < 0.5, used  # unlimited: ~2 s on an idle core
         assert periods >= 5 and seconds > 0.5
         limit.set(None)
-        start = _cpu_seconds(loop.pid)
+        start = _cpu_seconds([loop.pid])
         time.sleep(1.0)
-        assert _cpu_seconds(loop.pid) - start > 0.3  # the limit lifted (a shared machine)
+        assert _cpu_seconds([loop.pid]) - start > 0.3  # the limit lifted (a shared machine)
     finally:
         limit.close()
         loop.kill()
@@ -165,12 +164,7 @@ def test_a_cpu_limit_throttles_its_processes():
 
 @pytest.mark.envoy
 def test_bench_overhead_under_a_router_cpu_limit(tmp_path):
-    from extproc.cpu_limit import CpuLimit, CpuLimitUnavailable
-
-    try:
-        CpuLimit("prefix-router-probe").close()
-    except CpuLimitUnavailable as exc:
-        pytest.skip(str(exc))
+    _skip_without_cgroups()
     out = tmp_path / "limit.json"
     argv = ["bench", "overhead", "--sizes", "2", "--connections", "8", "--duration", "1.5"]
     argv += ["--configs", "buffered_w1", "--router-cpu-limits", "none,0.1", "--json", str(out)]
@@ -179,8 +173,7 @@ def test_bench_overhead_under_a_router_cpu_limit(tmp_path):
     assert (free["router_cpu_limit"], limited["router_cpu_limit"]) == (None, 0.1)
     assert free["throttled_periods"] == 0 < limited["throttled_periods"]
     assert limited["req_per_s"] < free["req_per_s"] / 2  # ~0.1 core against ~1
-    roots = (Path("/sys/fs/cgroup"), Path("/sys/fs/cgroup/cpu"))
-    assert not [group for root in roots for group in root.glob("prefix-router-bench-*")]
+    assert not _cgroups("prefix-router-bench-*")
     with pytest.raises(SystemExit, match="router-cpu-limits"):
         main([*argv[:-2], "--router-cpu-limits", "0"])
 
@@ -189,27 +182,17 @@ def test_bench_overhead_under_a_router_cpu_limit(tmp_path):
 def test_bench_overhead_sigterm_lets_a_limited_router_go(tmp_path):
     """SIGTERM mid-cell: the cgroup is removed and every process the run started stopped
     (before, a router was left throttled at 0.1 core in a leftover cgroup)."""
-    from extproc.cpu_limit import CpuLimit, CpuLimitUnavailable
-
-    try:
-        CpuLimit("prefix-router-probe").close()
-    except CpuLimitUnavailable as exc:
-        pytest.skip(str(exc))
+    _skip_without_cgroups()
     argv = [sys.executable, "-m", "extproc.cli", "bench", "overhead", "--configs", "buffered_w1"]
     argv += ["--sizes", "2", "--connections", "4", "--duration", "20"]
     bench = subprocess.Popen([*argv, "--router-cpu-limits", "0.1"], cwd=tmp_path)
-    roots = (Path("/sys/fs/cgroup"), Path("/sys/fs/cgroup/cpu"))
     pattern = f"prefix-router-bench-buffered_w1-{bench.pid}"
-
-    def groups() -> list[Path]:
-        return [group for root in roots for group in root.glob(pattern)]
-
     try:
         deadline = time.monotonic() + 60
-        while not groups():
+        while not _cgroups(pattern):
             assert bench.poll() is None and time.monotonic() < deadline
             time.sleep(0.2)
-        (group,) = groups()
+        (group,) = _cgroups(pattern)
         started = [int(pid) for pid in (group / "cgroup.procs").read_text().split()]
         assert started
         time.sleep(1.0)  # mid-cell
@@ -218,14 +201,26 @@ def test_bench_overhead_sigterm_lets_a_limited_router_go(tmp_path):
     finally:
         if bench.poll() is None:
             bench.kill()
-    assert not groups()
+    assert not _cgroups(pattern)
     alive = [pid for pid in started if Path(f"/proc/{pid}").exists()]
     assert not alive, alive
 
 
-def _cpu_seconds(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+def _skip_without_cgroups() -> None:
+    """The CPU-limit tests need a writable cgroup hierarchy (root); skip, saying why."""
+    from extproc.cpu_limit import CpuLimit, CpuLimitUnavailable
+
+    try:
+        CpuLimit("prefix-router-probe").close()
+    except CpuLimitUnavailable as exc:
+        pytest.skip(str(exc))
+
+
+def _cgroups(pattern: str) -> list[Path]:
+    """The cgroups named ``pattern`` under either hierarchy CpuLimit uses."""
+    from extproc.cpu_limit import V1_ROOT, V2_ROOT
+
+    return [group for root in (V2_ROOT, V1_ROOT) for group in root.glob(pattern)]
 
 
 def test_bench_core_routing_overrides_reach_the_timed_router(tmp_path):
