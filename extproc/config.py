@@ -141,6 +141,12 @@ class ServerConfig(_Strict):
         default=256, ge=0, le=100_000, description="recent decisions kept for /debug/decisions"
     )
     grace_seconds: float = Field(default=10.0, ge=0, description="drain time on SIGTERM")
+    worker_hang_seconds: float = Field(
+        default=30.0,
+        ge=0,
+        description="with workers: a worker silent this long (its event loop hung) is killed "
+        "and restarted (0 = never)",
+    )
 
     @field_validator("listen")
     @classmethod
@@ -153,6 +159,15 @@ class ServerConfig(_Strict):
     def _admin_is_ip_port_or_off(cls, value: str) -> str:
         if value:  # "" turns the admin endpoint off
             parse_host_port(value, allow_port_zero=True)
+        return value
+
+    @field_validator("worker_hang_seconds")
+    @classmethod
+    def _hang_longer_than_reports(cls, value: float) -> float:
+        if 0 < value < 3:
+            raise ValueError(
+                "must be 0 (never) or at least 3 seconds: workers report once a second"
+            )
         return value
 
     @field_validator("header_name", "served_header_name")

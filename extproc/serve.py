@@ -450,7 +450,8 @@ async def serve_until_signalled(
 # What a worker hands its supervisor, at most this many messages behind (then dropped).
 WORKER_BACKLOG = 4096
 # A worker reports its readiness every second; one silent this long (its event loop hung or
-# stopped) is not counted ready by the supervisor's /readyz.
+# stopped) is not counted ready by the supervisor's /readyz (and one silent for
+# server.worker_hang_seconds is killed and restarted).
 WORKER_SILENT_SECONDS = 10.0
 # Workers that die within this long of their start, more than 3 per worker within
 # FAILURE_WINDOW_SECONDS, make the supervisor give up.
@@ -515,6 +516,8 @@ class _Supervisor:
         self.workers: list[multiprocessing.process.BaseProcess] = []
         # Each worker's readiness as it last reported it, and when, by pid.
         self.worker_ready: dict[int | None, tuple[bool, float]] = {}
+        # Since when this process has been running without a gap (see run()).
+        self.awake_since = time.monotonic()
 
     def spawn(self) -> multiprocessing.process.BaseProcess:
         reader, writer = self.ctx.Pipe(duplex=False)
@@ -585,13 +588,20 @@ class _Supervisor:
         if self.config.server.admin_listen:
             threading.Thread(target=self._admin_thread, name="admin", daemon=True).start()
         quick_failures: list[float] = []
+        woke = time.monotonic()
         while True:
             time.sleep(0.1)
+            if time.monotonic() - woke > 1.0:
+                # This process was stopped or starved: its pipes' readers have not read the
+                # workers' reports meanwhile. Silence counts again from now.
+                self.awake_since = time.monotonic()
+            woke = time.monotonic()
             self._drain_decisions()
             if self.stopping:
                 return self._wait_for_workers(0)
             for i, p in enumerate(self.workers):
                 if p.is_alive():
+                    self._kill_if_hung(p)
                     continue
                 mark_process_dead(p.pid)
                 self.worker_ready.pop(p.pid, None)
@@ -605,6 +615,31 @@ class _Supervisor:
                     return self._wait_for_workers(1)
                 log.warning("worker pid %s exited with %s; restarting", p.pid, p.exitcode)
                 self.workers[i], started[i] = self.spawn(), time.monotonic()
+
+    def _kill_if_hung(self, worker: multiprocessing.process.BaseProcess) -> None:
+        """SIGKILL a worker that reported before and has been silent for
+        server.worker_hang_seconds (the loop in run() restarts it). Its event loop is hung
+        or stopped: the kernel still hands it a share of the new connections, and the
+        streams on Envoy's connections to it wait for Envoy's message timeout (BUFFERED:
+        then served unrouted) or for good (FULL_DUPLEX_STREAMED); its death resets them,
+        Envoy continues those requests without the router (failure_mode_allow) and
+        reconnects to a live worker. A worker that has not reported yet is left alone: its
+        start-up (imports, a tokenizer to load) can take long under a CPU limit."""
+        hang = self.config.server.worker_hang_seconds
+        reported = self.worker_ready.get(worker.pid)
+        if not hang or reported is None or worker.pid is None:
+            return
+        silent = time.monotonic() - max(reported[1], self.awake_since)
+        if silent < hang:
+            return
+        log.warning(
+            "worker pid %d silent for %.0fs (event loop hung or stopped); killing it",
+            worker.pid,
+            silent,
+        )
+        self.worker_ready.pop(worker.pid, None)
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(worker.pid, signal.SIGKILL)
 
     def _wait_for_workers(self, code: int) -> int:
         """Until every worker has drained and exited, its messages still read. (Each is told

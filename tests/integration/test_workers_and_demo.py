@@ -180,8 +180,6 @@ def test_a_worker_killed_halfway_through_a_message_stops_nothing_else(tmp_path):
     the supervisor then waited for the rest of that message for good (no restarts, no
     records from the other workers, SIGTERM hung). The supervisor is stopped for 1.5 s only
     to hold the worker in the middle of its message."""
-    from prometheus_client.mmap_dict import MmapedDict
-
     metrics = tmp_path / "metrics"
     metrics.mkdir()
     with Stack(workdir=tmp_path) as stack:
@@ -197,17 +195,7 @@ def test_a_worker_killed_halfway_through_a_message_stops_nothing_else(tmp_path):
         assert len(workers) == 2
         assert request(port, chat_body("warm up")).status == 200
 
-        def requests_of(pid: int) -> float:
-            path = metrics / f"counter_{pid}.db"
-            if not path.exists():
-                return 0.0
-            return sum(
-                value
-                for key, value, *_ in MmapedDict.read_all_values_from_file(str(path))
-                if '"prefix_router_requests_total"' in key
-            )
-
-        busy = max(workers, key=requests_of)  # (Envoy holds one connection: one worker)
+        busy = max(workers, key=lambda pid: _requests_of(metrics, pid))  # (Envoy: one conn.)
         os.kill(supervisor, signal.SIGSTOP)
         try:
             for i in range(12):
@@ -227,6 +215,112 @@ def test_a_worker_killed_halfway_through_a_message_stops_nothing_else(tmp_path):
         assert _newest_decision_age(admin) < 2.0
         router.signal(signal.SIGTERM)
         router.process.wait(15)
+
+
+def test_a_hung_worker_is_killed_and_replaced(tmp_path):
+    """A worker is stopped (a hung event loop). The kernel keeps handing it a share of the
+    new connections, and requests on Envoy's connections to it wait for the message timeout
+    (1 s) and go on unrouted; it stayed so for good. After server.worker_hang_seconds (4
+    here) without a report the supervisor kills it, a new worker takes its place, and the
+    requests are routed again. Every request is served throughout (BUFFERED: a stream that
+    fails is continued without the router)."""
+    metrics = tmp_path / "metrics"
+    metrics.mkdir()
+    hang = 4.0
+    with Stack(workdir=tmp_path) as stack:
+        members = stack.start_replicas(2, FAST)
+        address, router = stack.start_router(
+            members,
+            workers=2,
+            extra_args=["--set", f"server.worker_hang_seconds={hang}"],
+            env={"PROMETHEUS_MULTIPROC_DIR": str(metrics)},
+            ready=True,
+        )
+        port, _ = stack.start_proxy("override-host", members, address)
+        assert router.process is not None
+        supervisor = router.process.pid
+        admin = stack.router_admin_ports["router"]
+        workers = _worker_pids(supervisor)
+        assert len(workers) == 2
+        for i in range(4):
+            assert request(port, chat_body(f"warm up {i}")).status == 200
+        busy = max(workers, key=lambda pid: _requests_of(metrics, pid))
+        os.kill(busy, signal.SIGSTOP)
+        try:
+            stopped = time.monotonic()
+            waits = []
+            while _alive(busy) or len([w for w in _worker_pids(supervisor) if _alive(w)]) < 2:
+                assert time.monotonic() - stopped < hang + 8, "the hung worker was not replaced"
+                sent = time.monotonic()
+                response = request(
+                    port, chat_body(f"while it hangs {len(waits)} " * 20), timeout=10
+                )
+                waits.append(round(time.monotonic() - sent, 1))
+                assert response.status == 200
+                time.sleep(0.05)
+            assert max(waits) < 3, waits
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(busy, signal.SIGCONT)
+        assert "silent for" in (tmp_path / "router.log").read_text()
+        # Envoy's health check of the router may have met the stopped worker: requests fail
+        # open until it passes again on a connection to a live one.
+        replaced = time.monotonic()
+        routed = 0
+        while routed < 5:
+            assert time.monotonic() - replaced < 15, "requests were not routed again"
+            sent = time.time()
+            assert request(port, chat_body(f"later {routed} " * 30), timeout=10).status == 200
+            time.sleep(0.5)  # (the worker hands its decisions to the supervisor)
+            routed += _newest_decision_age(admin) <= time.time() - sent
+        print(
+            f"{len(waits)} requests while hung, longest {max(waits)} s; "
+            f"5 routed {time.monotonic() - replaced:.1f} s after the replacement"
+        )
+        router.signal(signal.SIGTERM)
+        router.process.wait(15)
+
+
+def test_a_supervisor_stopped_for_a_while_kills_no_worker(tmp_path):
+    """The supervisor itself stopped for longer than server.worker_hang_seconds (a paused
+    container, a starved node) read none of its workers' reports meanwhile: silence counts
+    from when it runs again, and no worker is killed for the supervisor's own absence."""
+    hang = 3.0
+    with Stack(workdir=tmp_path) as stack:
+        members = stack.start_replicas(1, FAST)
+        _, router = stack.start_router(
+            members,
+            workers=2,
+            extra_args=["--set", f"server.worker_hang_seconds={hang}"],
+            ready=True,
+        )
+        assert router.process is not None
+        supervisor = router.process.pid
+        workers = sorted(_worker_pids(supervisor))
+        assert len(workers) == 2
+        time.sleep(1.5)  # (each has reported)
+        os.kill(supervisor, signal.SIGSTOP)
+        try:
+            time.sleep(hang + 3)
+        finally:
+            os.kill(supervisor, signal.SIGCONT)
+        time.sleep(2.0)
+        assert "silent for" not in (tmp_path / "router.log").read_text()
+        assert sorted(_worker_pids(supervisor)) == workers
+
+
+def _requests_of(metrics: Path, pid: int) -> float:
+    """Requests a worker counted, from its file in the multiprocess metrics directory."""
+    from prometheus_client.mmap_dict import MmapedDict
+
+    path = metrics / f"counter_{pid}.db"
+    if not path.exists():
+        return 0.0
+    return sum(
+        value
+        for key, value, *_ in MmapedDict.read_all_values_from_file(str(path))
+        if '"prefix_router_requests_total"' in key
+    )
 
 
 def _newest_decision_age(admin_port: int) -> float:
