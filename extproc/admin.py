@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 import orjson
 from aiohttp import web
 
-from .metrics import exposition
+from .metrics import WorkerRestarts, exposition
 from .placements import PLACEMENTS_PATH, PlacementLog
 
 if TYPE_CHECKING:
@@ -63,10 +63,13 @@ class DecisionLog:
 
 
 def build_admin_app(
-    decisions: DecisionLog, ready: Callable[[], bool], placements: PlacementLog | None = None
+    decisions: DecisionLog,
+    ready: Callable[[], bool],
+    placements: PlacementLog | None = None,
+    worker_restarts: WorkerRestarts | None = None,
 ) -> web.Application:
     async def metrics(_request: web.Request) -> web.Response:
-        body, content_type = exposition()
+        body, content_type = exposition(worker_restarts)
         return web.Response(body=body, headers={"Content-Type": content_type})
 
     async def healthz(_request: web.Request) -> web.Response:

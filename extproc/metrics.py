@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import glob
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING
 
 from prometheus_client import (
@@ -25,7 +25,7 @@ from prometheus_client import (
     Histogram,
     generate_latest,
 )
-from prometheus_client.metrics_core import Metric
+from prometheus_client.metrics_core import CounterMetricFamily, Metric
 
 if TYPE_CHECKING:
     from .router import Router
@@ -363,11 +363,37 @@ class _WorkerFilesCollector:
         return MultiProcessCollector.merge(files, accumulate=True)
 
 
-def exposition() -> tuple[bytes, str]:
-    """The text to serve on /metrics: this process, or every worker's in multiprocess mode."""
+class WorkerRestarts:
+    """The supervisor's count of worker restarts (serve --workers), by reason: ``exited``
+    (died: crashed, killed, out of memory) or ``hung`` (silent for
+    server.worker_hang_seconds, killed). A collector of plain counts rather than a Counter:
+    the supervisor's own metric values are not in the workers' multiprocess files."""
+
+    REASONS = ("exited", "hung")
+
+    def __init__(self) -> None:
+        self.counts = dict.fromkeys(self.REASONS, 0)
+
+    def collect(self) -> Iterator[Metric]:
+        family = CounterMetricFamily(
+            "prefix_router_worker_restarts",
+            "Worker processes the supervisor (serve --workers) restarted, by reason: exited "
+            "(died) or hung (silent for server.worker_hang_seconds, killed)",
+            labels=("reason",),
+        )
+        for reason, count in self.counts.items():
+            family.add_metric((reason,), count)
+        yield family
+
+
+def exposition(supervisor: WorkerRestarts | None = None) -> tuple[bytes, str]:
+    """The text to serve on /metrics: this process, or every worker's in multiprocess mode
+    (and the supervisor's own counts, when given)."""
     path = os.environ.get(MULTIPROC_ENV)
     if path:
         registry = CollectorRegistry()
         registry.register(_WorkerFilesCollector(path))
+        if supervisor is not None:
+            registry.register(supervisor)
         return generate_latest(registry), CONTENT_TYPE_LATEST
     return generate_latest(REGISTRY), CONTENT_TYPE_LATEST

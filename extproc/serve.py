@@ -46,7 +46,7 @@ from .config import (
 )
 from .discovery import EndpointSource, source_from_config
 from .endpoints import HealthChecker
-from .metrics import MULTIPROC_ENV, RouterMetrics
+from .metrics import MULTIPROC_ENV, RouterMetrics, WorkerRestarts
 from .peers import PeerReader
 from .placements import Placement, PlacementLog, hash_scheme
 from .router import Router
@@ -516,6 +516,8 @@ class _Supervisor:
         self.workers: list[multiprocessing.process.BaseProcess] = []
         # Each worker's readiness as it last reported it, and when, by pid.
         self.worker_ready: dict[int | None, tuple[bool, float]] = {}
+        self.restarts = WorkerRestarts()
+        self.hung: set[int | None] = set()  # pids killed for their silence
         # Since when this process has been running without a gap (see run()).
         self.awake_since = time.monotonic()
 
@@ -561,7 +563,7 @@ class _Supervisor:
 
     def _admin_thread(self) -> None:
         async def main() -> None:
-            app = build_admin_app(self.decisions, self.ready, self.placements)
+            app = build_admin_app(self.decisions, self.ready, self.placements, self.restarts)
             runner, port = await start_admin(app, self.config.server.admin_listen)
             log.info("admin endpoint on port %d (all workers)", port)
             while not self.stopping or any(p.is_alive() for p in self.workers):
@@ -614,6 +616,8 @@ class _Supervisor:
                     self.on_signal(signal.SIGTERM, None)
                     return self._wait_for_workers(1)
                 log.warning("worker pid %s exited with %s; restarting", p.pid, p.exitcode)
+                self.restarts.counts["hung" if p.pid in self.hung else "exited"] += 1
+                self.hung.discard(p.pid)
                 self.workers[i], started[i] = self.spawn(), time.monotonic()
 
     def _kill_if_hung(self, worker: multiprocessing.process.BaseProcess) -> None:
@@ -638,6 +642,7 @@ class _Supervisor:
             silent,
         )
         self.worker_ready.pop(worker.pid, None)
+        self.hung.add(worker.pid)
         with contextlib.suppress(ProcessLookupError):
             os.kill(worker.pid, signal.SIGKILL)
 

@@ -213,6 +213,7 @@ def test_a_worker_killed_halfway_through_a_message_stops_nothing_else(tmp_path):
             assert request(port, chat_body(f"later {i} " * 30)).status == 200
         time.sleep(1.0)
         assert _newest_decision_age(admin) < 2.0
+        assert _worker_restarts(admin) == {"exited": 1.0, "hung": 0.0}
         router.signal(signal.SIGTERM)
         router.process.wait(15)
 
@@ -263,6 +264,7 @@ def test_a_hung_worker_is_killed_and_replaced(tmp_path):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(busy, signal.SIGCONT)
         assert "silent for" in (tmp_path / "router.log").read_text()
+        assert _worker_restarts(admin) == {"exited": 0.0, "hung": 1.0}
         # Envoy's health check of the router may have met the stopped worker: requests fail
         # open until it passes again on a connection to a live one.
         replaced = time.monotonic()
@@ -321,6 +323,14 @@ def _requests_of(metrics: Path, pid: int) -> float:
         for key, value, *_ in MmapedDict.read_all_values_from_file(str(path))
         if '"prefix_router_requests_total"' in key
     )
+
+
+def _worker_restarts(admin_port: int) -> dict[str, float]:
+    """prefix_router_worker_restarts_total by reason, from the supervisor's /metrics."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{admin_port}/metrics", timeout=5) as page:
+        text = page.read().decode()
+    found = re.findall(r'^prefix_router_worker_restarts_total\{reason="(\w+)"\} (\S+)$', text, re.M)
+    return {reason: float(value) for reason, value in found}
 
 
 def _newest_decision_age(admin_port: int) -> float:
