@@ -145,7 +145,7 @@ class ServerConfig(_Strict):
         default=30.0,
         ge=0,
         description="with workers: a worker silent this long (its event loop hung) is killed "
-        "and restarted (0 = never)",
+        "and restarted (0 = never; else at least 3)",
     )
 
     @field_validator("listen")

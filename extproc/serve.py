@@ -14,6 +14,7 @@ import contextlib
 import gc
 import glob
 import logging
+import math
 import multiprocessing
 import os
 import queue
@@ -449,9 +450,9 @@ async def serve_until_signalled(
 
 # What a worker hands its supervisor, at most this many messages behind (then dropped).
 WORKER_BACKLOG = 4096
-# A worker reports its readiness every second; one silent this long (its event loop hung or
-# stopped) is not counted ready by the supervisor's /readyz (and one silent for
-# server.worker_hang_seconds is killed and restarted).
+# A worker's event loop stamps its heartbeat (and reports its readiness) every second; one
+# silent this long (its event loop hung or stopped) is not counted ready by the supervisor's
+# /readyz (and one silent for server.worker_hang_seconds is killed and restarted).
 WORKER_SILENT_SECONDS = 10.0
 # Workers that die within this long of their start, more than 3 per worker within
 # FAILURE_WINDOW_SECONDS, make the supervisor give up.
@@ -480,17 +481,27 @@ class _ToSupervisor:
                 self._connection.send(self._backlog.get())
 
 
-def _worker_main(config_data: dict[str, Any], log_level: str, connection: Any) -> None:
+def _worker_main(
+    config_data: dict[str, Any], log_level: str, connection: Any, heartbeat: Any
+) -> None:
+    """``heartbeat``: a shared double the event loop stamps with time.monotonic() (one
+    clock for every process) at each readiness report: not a message in the pipe, where it
+    waited behind up to WORKER_BACKLOG decisions (seconds, with many workers)."""
     _setup_logging(log_level)
     to_supervisor = _ToSupervisor(connection)
     config = Config.model_validate(config_data)
+
+    def report(ready: bool) -> None:
+        heartbeat.value = time.monotonic()
+        to_supervisor.put("ready", ready)
+
     asyncio.run(
         serve_until_signalled(
             config,
             lambda record: to_supervisor.put("decision", record),
             serve_admin=False,
             placement_sink=lambda batch: to_supervisor.put("placements", batch),
-            readiness_sink=lambda ready: to_supervisor.put("ready", ready),
+            readiness_sink=report,
         )
     )
 
@@ -514,34 +525,46 @@ class _Supervisor:
         self.received: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
         self.stopping = False
         self.workers: list[multiprocessing.process.BaseProcess] = []
-        # Each worker's readiness as it last reported it, and when, by pid.
-        self.worker_ready: dict[int | None, tuple[bool, float]] = {}
+        # Each worker's readiness as it last reported it, and its heartbeat (_worker_main).
+        self.worker_ready: dict[multiprocessing.process.BaseProcess, bool] = {}
+        self.heartbeats: dict[multiprocessing.process.BaseProcess, Any] = {}
         self.restarts = WorkerRestarts()
-        self.hung: set[int | None] = set()  # pids killed for their silence
-        # Since when this process has been running without a gap (see run()).
-        self.awake_since = time.monotonic()
+        self.hung: set[multiprocessing.process.BaseProcess] = set()  # killed for their silence
 
     def spawn(self) -> multiprocessing.process.BaseProcess:
         reader, writer = self.ctx.Pipe(duplex=False)
-        process = self.ctx.Process(target=_worker_main, args=(self.data, self.log_level, writer))
+        heartbeat = self.ctx.Value("d", 0.0, lock=False)  # (0: not reported yet)
+        process = self.ctx.Process(
+            target=_worker_main, args=(self.data, self.log_level, writer, heartbeat)
+        )
+        self.heartbeats[process] = heartbeat
         process.start()
         writer.close()  # the worker's copy is the only one: its death ends the pipe
         threading.Thread(
             target=self._read,
-            args=(reader, process.pid),
+            args=(reader, process),
             name=f"from-worker-{process.pid}",
             daemon=True,
         ).start()
         return process
 
-    def _read(self, reader: Any, pid: int | None) -> None:
-        with contextlib.closing(reader), contextlib.suppress(EOFError, OSError):
-            while True:
-                kind, item = reader.recv()
-                if kind == "ready":
-                    self.worker_ready[pid] = (item, time.monotonic())
-                else:
-                    self.received.put((kind, item))
+    def _read(self, reader: Any, process: multiprocessing.process.BaseProcess) -> None:
+        try:
+            with contextlib.closing(reader), contextlib.suppress(EOFError, OSError):
+                while True:
+                    kind, item = reader.recv()
+                    if kind == "ready":
+                        self.worker_ready[process] = item
+                    else:
+                        self.received.put((kind, item))
+        finally:
+            self.worker_ready.pop(process, None)  # (the worker is gone)
+
+    def _silent_for(self, worker: multiprocessing.process.BaseProcess, now: float) -> float:
+        """Seconds since the worker's event loop last stamped its heartbeat (inf: never)."""
+        heartbeat = self.heartbeats.get(worker)
+        beat = heartbeat.value if heartbeat is not None else 0.0
+        return now - beat if beat else math.inf
 
     def ready(self) -> bool:
         """A live worker said within WORKER_SILENT_SECONDS that it is ready: it serves its
@@ -550,8 +573,8 @@ class _Supervisor:
         now = time.monotonic()
 
         def says_ready(p: multiprocessing.process.BaseProcess) -> bool:
-            ready, at = self.worker_ready.get(p.pid, (False, 0.0))
-            return ready and now - at < WORKER_SILENT_SECONDS and p.is_alive()
+            ready = self.worker_ready.get(p, False)
+            return ready and self._silent_for(p, now) < WORKER_SILENT_SECONDS and p.is_alive()
 
         return not self.stopping and any(says_ready(p) for p in self.workers)
 
@@ -590,14 +613,8 @@ class _Supervisor:
         if self.config.server.admin_listen:
             threading.Thread(target=self._admin_thread, name="admin", daemon=True).start()
         quick_failures: list[float] = []
-        woke = time.monotonic()
         while True:
             time.sleep(0.1)
-            if time.monotonic() - woke > 1.0:
-                # This process was stopped or starved: its pipes' readers have not read the
-                # workers' reports meanwhile. Silence counts again from now.
-                self.awake_since = time.monotonic()
-            woke = time.monotonic()
             self._drain_decisions()
             if self.stopping:
                 return self._wait_for_workers(0)
@@ -606,9 +623,13 @@ class _Supervisor:
                     self._kill_if_hung(p)
                     continue
                 mark_process_dead(p.pid)
-                self.worker_ready.pop(p.pid, None)
+                self.worker_ready.pop(p, None)
+                self.heartbeats.pop(p, None)
+                hung = p in self.hung
+                self.hung.discard(p)
                 now = time.monotonic()
-                if now - started[i] < QUICK_FAILURE_SECONDS:
+                if now - started[i] < QUICK_FAILURE_SECONDS and not hung:
+                    # (A hung worker killed is replaced at most once per hang limit.)
                     quick_failures.append(now)
                 quick_failures = [t for t in quick_failures if now - t < FAILURE_WINDOW_SECONDS]
                 if len(quick_failures) > 3 * self.config.server.workers:
@@ -616,35 +637,31 @@ class _Supervisor:
                     self.on_signal(signal.SIGTERM, None)
                     return self._wait_for_workers(1)
                 log.warning("worker pid %s exited with %s; restarting", p.pid, p.exitcode)
-                self.restarts.counts["hung" if p.pid in self.hung else "exited"] += 1
-                self.hung.discard(p.pid)
+                self.restarts.counts["hung" if hung else "exited"] += 1
                 self.workers[i], started[i] = self.spawn(), time.monotonic()
 
     def _kill_if_hung(self, worker: multiprocessing.process.BaseProcess) -> None:
-        """SIGKILL a worker that reported before and has been silent for
-        server.worker_hang_seconds (the loop in run() restarts it). Its event loop is hung
-        or stopped: the kernel still hands it a share of the new connections, and the
-        streams on Envoy's connections to it wait for Envoy's message timeout (BUFFERED:
-        then served unrouted) or for good (FULL_DUPLEX_STREAMED); its death resets them,
-        Envoy continues those requests without the router (failure_mode_allow) and
-        reconnects to a live worker. A worker that has not reported yet is left alone: its
-        start-up (imports, a tokenizer to load) can take long under a CPU limit."""
+        """SIGKILL a worker whose event loop stamped its heartbeat before and not for
+        server.worker_hang_seconds (run() then starts another). Its loop is hung or stopped:
+        the kernel still hands it a share of the new connections, Envoy's health-check
+        connection among them (one hung worker of two left the whole router unrouted), and
+        the streams on them wait for Envoy's message timeout (BUFFERED: then served
+        unrouted) or for good (FULL_DUPLEX_STREAMED); its death resets them and Envoy
+        reconnects to a live worker. A worker that has not stamped yet is left alone: its
+        start-up (imports, a tokenizer to load) can take long under a CPU limit. The
+        heartbeat is shared memory, so neither the pipe's backlog nor a pause of this
+        process makes a worker look silent."""
         hang = self.config.server.worker_hang_seconds
-        reported = self.worker_ready.get(worker.pid)
-        if not hang or reported is None or worker.pid is None:
-            return
-        silent = time.monotonic() - max(reported[1], self.awake_since)
-        if silent < hang:
+        silent = self._silent_for(worker, time.monotonic())
+        if not hang or silent < hang or math.isinf(silent) or worker in self.hung:
             return
         log.warning(
-            "worker pid %d silent for %.0fs (event loop hung or stopped); killing it",
+            "worker pid %s silent for %.0fs (event loop hung or stopped); killing it",
             worker.pid,
             silent,
         )
-        self.worker_ready.pop(worker.pid, None)
-        self.hung.add(worker.pid)
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(worker.pid, signal.SIGKILL)
+        self.hung.add(worker)
+        worker.kill()
 
     def _wait_for_workers(self, code: int) -> int:
         """Until every worker has drained and exited, its messages still read. (Each is told
