@@ -120,6 +120,10 @@ class Router:
         endpoint without a configured one has a provisional index size until then."""
         self.config = config
         self.learns_capacity = learns_capacity
+        # Whether the endpoint list is what is there: True for a configured list, False
+        # under discovery until its first answer (set_endpoints). No endpoint before that
+        # is "not known yet", not "none" (serve.py passes such requests through).
+        self.endpoints_known = True
         self.cost = cost or CostModel.from_config(config)
         self.clock = clock
         self.scheduler = Scheduler(config, self.cost)
@@ -219,6 +223,7 @@ class Router:
         restarts (as a member that fails its probes: ``set_health``); one ready again is
         picked once its metrics have been read. Returns the endpoints ready again: the
         caller reads their metrics and model lists at once."""
+        self.endpoints_known = True
         addresses = [e.address for e in endpoints]
         keep = [self._position.get(a, -1) for a in addresses]
         capacities, configured = [], []

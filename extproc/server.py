@@ -225,9 +225,15 @@ class ExternalProcessorService(ext_grpc.ExternalProcessorServicer):
             outcome.kind, outcome.detail = "error", type(exc).__name__
             outcome.decide_seconds = time.perf_counter() - started
             return ()
-        outcome.decision = decision
         outcome.decide_seconds = time.perf_counter() - started
-        if decision.rule == RULE_NO_ENDPOINT or decision.endpoint is None:
+        no_endpoint = decision.rule == RULE_NO_ENDPOINT or decision.endpoint is None
+        if no_endpoint and not self.router.endpoints_known:
+            # Discovery has not answered yet (a worker just started while its siblings
+            # serve): "none" would be a false 503; the request goes on unrouted.
+            outcome.kind, outcome.detail = "pass_through", "endpoints_unknown"
+            return ()
+        outcome.decision = decision
+        if no_endpoint:
             outcome.kind = "no_endpoint"
             return immediate_response(503, "no ready endpoint for this request")
         outcome.kind = "routed"

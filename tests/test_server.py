@@ -235,6 +235,38 @@ async def test_a_fault_in_routing_lets_the_request_go_on_undecided(
     assert sum(service.router.in_flight().values()) == 0
 
 
+async def test_before_discovery_answers_a_request_goes_on_unrouted_not_503():
+    """Under discovery a worker serves its port before the first answer (a worker respawned
+    while its siblings serve gets streams at once): no endpoint then means "not known yet",
+    and the request goes on unrouted; it got "503 no ready endpoint". Once the list is
+    known, none is a 503 again."""
+    cfg = load_config(
+        overrides={
+            "server.listen": "127.0.0.1:0",
+            "server.admin_listen": "",
+            "health.enabled": False,
+            "discovery.kind": "dns",
+            "discovery.dns_name": "nothing-here.invalid",  # never answers a list
+            "discovery.dns_port": 8000,
+        },
+        environ={},
+    )
+    svc = RouterService(cfg)
+    port = await svc.start()
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+        stub = epg.ExternalProcessorStub(channel)
+        for full_duplex in (False, True):
+            responses = await exchange(stub, [headers_msg(full_duplex=full_duplex), body_msg(CHAT)])
+            assert not any(r.HasField("immediate_response") for r in responses)
+            body = responses[1].request_body.response
+            assert not body.HasField("header_mutation")
+        assert svc.outcomes.counts[("pass_through", "endpoints_unknown")] == 2, svc.outcomes.counts
+        svc.router.set_endpoints([])  # what discovery's first answer of none does
+        responses = await exchange(stub, [headers_msg(), body_msg(CHAT)])
+        assert responses[1].immediate_response.status.code == 503
+    await svc.stop(0)
+
+
 async def test_subset_hint_limits_the_choice_and_empty_subset_is_503(service):
     hint = ep.ProcessingRequest()
     hint.CopyFrom(headers_msg())
