@@ -145,7 +145,8 @@ class ServerConfig(_Strict):
         default=30.0,
         ge=0,
         description="with workers: a worker silent this long (its event loop hung) is killed "
-        "and restarted (0 = never; else at least 3)",
+        "and restarted (0 = never; else at least 5; under a CPU limit, well above the longest "
+        "request's CPU time over the limit)",
     )
 
     @field_validator("listen")
@@ -164,9 +165,10 @@ class ServerConfig(_Strict):
     @field_validator("worker_hang_seconds")
     @classmethod
     def _hang_longer_than_reports(cls, value: float) -> float:
-        if 0 < value < 3:
+        if 0 < value < 5:
             raise ValueError(
-                "must be 0 (never) or at least 3 seconds: workers report once a second"
+                "must be 0 (never) or at least 5 seconds: a worker's heartbeat moves every "
+                "second and after each ext_proc message, and one long request holds it"
             )
         return value
 

@@ -100,7 +100,8 @@ class RouterService:
     ``decision_sink`` replaces the local decision log in worker processes: the supervisor
     owns the admin endpoint and collects every worker's decisions; ``readiness_sink`` is
     told this worker's readiness (at each change, and every second), which the supervisor's
-    /readyz answers by.
+    /readyz answers by; ``heartbeat`` is called every second and after every ext_proc
+    message handled (the supervisor kills a worker whose loop stops calling it).
     """
 
     def __init__(
@@ -112,10 +113,12 @@ class RouterService:
         placement_sink: Callable[[list[Placement]], None] | None = None,
         translation: Translation | None = None,
         readiness_sink: Callable[[bool], None] | None = None,
+        heartbeat: Callable[[], None] | None = None,
     ) -> None:
         """``translation``: the KV-cache events' translation, when start-up already loaded
         it to check the configuration (else loaded here)."""
         self.config = config
+        self._heartbeat = heartbeat or (lambda: None)
         self.router = Router(
             config.routing, config.endpoints, learns_capacity=config.signals.enabled
         )
@@ -276,7 +279,7 @@ class RouterService:
             ]
         )
         service = ExternalProcessorService(
-            self.router, self.config.server, self.observe, self.tracer
+            self.router, self.config.server, self.observe, self.tracer, self._heartbeat
         )
         self.service = service
         ext_grpc.add_ExternalProcessorServicer_to_server(service, self.server)
@@ -334,11 +337,12 @@ class RouterService:
 
     async def _refresh_gauges(self) -> None:
         while True:
+            self._heartbeat()  # (first: a fault below must not make the loop look hung)
             try:
-                self.metrics.refresh(self.router)
-                self._forward_placements()
                 if self._readiness_sink is not None:
                     self._readiness_sink(self._ready)  # (again: a message may be dropped)
+                self.metrics.refresh(self.router)
+                self._forward_placements()
                 source = self._discovery_source
                 if source is not None and source.failures > self._discovery_failures_seen:
                     self.metrics.discovery_failures.inc(
@@ -409,6 +413,7 @@ async def serve_until_signalled(
     placement_sink: Callable[[list[Placement]], None] | None = None,
     translation: Translation | None = None,
     readiness_sink: Callable[[bool], None] | None = None,
+    heartbeat: Callable[[], None] | None = None,
 ) -> None:
     service = RouterService(
         config,
@@ -417,6 +422,7 @@ async def serve_until_signalled(
         placement_sink=placement_sink,
         translation=translation,
         readiness_sink=readiness_sink,
+        heartbeat=heartbeat,
     )
     port = await service.start()
     frozen = freeze_start_up_heap()
@@ -487,16 +493,16 @@ class _ToSupervisor:
 def _worker_main(
     config_data: dict[str, Any], log_level: str, connection: Any, heartbeat: Any
 ) -> None:
-    """``heartbeat``: a shared double the event loop stamps with time.monotonic() (one
-    clock for every process) at each readiness report: not a message in the pipe, where it
-    waited behind up to WORKER_BACKLOG decisions (seconds, with many workers)."""
+    """``heartbeat``: a count in memory shared with the supervisor, which the event loop
+    raises every second and after every ext_proc message (RouterService): not a message in the
+    pipe, where it waited behind up to WORKER_BACKLOG decisions (seconds, with many
+    workers)."""
     _setup_logging(log_level)
     to_supervisor = _ToSupervisor(connection)
     config = Config.model_validate(config_data)
 
-    def report(ready: bool) -> None:
-        heartbeat.value = time.monotonic()
-        to_supervisor.put("ready", ready)
+    def beat() -> None:
+        heartbeat.value += 1
 
     asyncio.run(
         serve_until_signalled(
@@ -504,7 +510,8 @@ def _worker_main(
             lambda record: to_supervisor.put("decision", record),
             serve_admin=False,
             placement_sink=lambda batch: to_supervisor.put("placements", batch),
-            readiness_sink=report,
+            readiness_sink=lambda ready: to_supervisor.put("ready", ready),
+            heartbeat=beat,
         )
     )
 
@@ -531,12 +538,15 @@ class _Supervisor:
         # Each worker's readiness as it last reported it, and its heartbeat (_worker_main).
         self.worker_ready: dict[multiprocessing.process.BaseProcess, bool] = {}
         self.heartbeats: dict[multiprocessing.process.BaseProcess, Any] = {}
+        # Each worker's heartbeat count as last seen, and when it last moved, on this
+        # process's clock (see _watch_heartbeats).
+        self.beats_seen: dict[multiprocessing.process.BaseProcess, tuple[float, float]] = {}
         self.restarts = WorkerRestarts()
         self.hung: set[multiprocessing.process.BaseProcess] = set()  # killed for their silence
 
     def spawn(self) -> multiprocessing.process.BaseProcess:
         reader, writer = self.ctx.Pipe(duplex=False)
-        heartbeat = self.ctx.Value("d", 0.0, lock=False)  # (0: not reported yet)
+        heartbeat = self.ctx.Value("d", 0.0, lock=False)  # (0: no beat yet)
         process = self.ctx.Process(
             target=_worker_main, args=(self.data, self.log_level, writer, heartbeat)
         )
@@ -564,10 +574,26 @@ class _Supervisor:
             self.worker_ready.pop(process, None)  # (the worker is gone)
 
     def _silent_for(self, worker: multiprocessing.process.BaseProcess, now: float) -> float:
-        """Seconds since the worker's event loop last stamped its heartbeat (inf: never)."""
-        heartbeat = self.heartbeats.get(worker)
-        beat = heartbeat.value if heartbeat is not None else 0.0
-        return now - beat if beat else math.inf
+        """Seconds since the worker's heartbeat last moved (inf: it never beat)."""
+        count, moved = self.beats_seen.get(worker, (0.0, 0.0))
+        return now - moved if count else math.inf
+
+    def _watch_heartbeats(self, now: float, woke: float) -> None:
+        """Note which workers' heartbeats moved since the last round. Silence is timed on
+        this process's clock, and counts from ``now`` for everyone when this process was
+        away (its last round ``woke`` over a second ago): stopped, starved, or frozen with
+        its workers (a paused container), when their loops had no chance to beat either.
+        (Timed by the workers' own stamps, a thawed group killed every worker.)"""
+        away = now - woke > 1.0
+        for worker in self.workers:
+            heartbeat = self.heartbeats.get(worker)
+            if heartbeat is None:
+                continue
+            count = heartbeat.value
+            seen, moved = self.beats_seen.get(worker, (0.0, now))
+            if count != seen or away:
+                moved = now
+            self.beats_seen[worker] = (count, moved)
 
     def ready(self) -> bool:
         """A live worker said within WORKER_SILENT_SECONDS that it is ready: it serves its
@@ -616,18 +642,25 @@ class _Supervisor:
         if self.config.server.admin_listen:
             threading.Thread(target=self._admin_thread, name="admin", daemon=True).start()
         quick_failures: list[float] = []
+        woke = time.monotonic()
         while True:
             time.sleep(0.1)
             self._drain_decisions()
             if self.stopping:
                 return self._wait_for_workers(0)
+            # One reading of the clock for the round: a pause after it (this process stopped
+            # or frozen) cannot make a worker look silent in this round's checks.
+            now = time.monotonic()
+            self._watch_heartbeats(now, woke)
+            woke = now
             for i, p in enumerate(self.workers):
                 if p.is_alive():
-                    self._kill_if_hung(p)
+                    self._kill_if_hung(p, now)
                     continue
                 mark_process_dead(p.pid)
                 self.worker_ready.pop(p, None)
                 self.heartbeats.pop(p, None)
+                self.beats_seen.pop(p, None)
                 hung = p in self.hung
                 self.hung.discard(p)
                 now = time.monotonic()
@@ -643,19 +676,21 @@ class _Supervisor:
                 self.restarts.counts["hung" if hung else "exited"] += 1
                 self.workers[i], started[i] = self.spawn(), time.monotonic()
 
-    def _kill_if_hung(self, worker: multiprocessing.process.BaseProcess) -> None:
-        """SIGKILL a worker whose event loop stamped its heartbeat before and not for
-        server.worker_hang_seconds (run() then starts another). Its loop is hung or stopped:
+    def _kill_if_hung(self, worker: multiprocessing.process.BaseProcess, now: float) -> None:
+        """SIGKILL a worker whose heartbeat moved before and not for
+        server.worker_hang_seconds (run() then starts another): its event loop raises it
+        every second and after every ext_proc message, so a loop busy with long requests
+        beats and one stuck in a callback does not. Its loop is hung or stopped:
         the kernel still hands it a share of the new connections, Envoy's health-check
         connection among them (one hung worker of two left the whole router unrouted), and
         the streams on them wait for Envoy's message timeout (BUFFERED: then served
         unrouted) or for good (FULL_DUPLEX_STREAMED); its death resets them and Envoy
-        reconnects to a live worker. A worker that has not stamped yet is left alone: its
+        reconnects to a live worker. A worker whose heartbeat never moved is left alone: its
         start-up (imports, a tokenizer to load) can take long under a CPU limit. The
-        heartbeat is shared memory, so neither the pipe's backlog nor a pause of this
-        process makes a worker look silent."""
+        heartbeat is shared memory (the pipe's backlog does not delay it) and its silence is
+        timed on this process's clock (_watch_heartbeats)."""
         hang = self.config.server.worker_hang_seconds
-        silent = self._silent_for(worker, time.monotonic())
+        silent = self._silent_for(worker, now)
         if not hang or silent < hang or math.isinf(silent) or worker in self.hung:
             return
         log.warning(

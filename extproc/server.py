@@ -155,10 +155,14 @@ class ExternalProcessorService(ext_grpc.ExternalProcessorServicer):
         config: ServerConfig,
         observer: Callable[[Outcome], None] | None = None,
         tracer: DecisionTracer | None = None,
+        progress: Callable[[], None] | None = None,
     ) -> None:
+        """``progress`` is called after every message handled: the worker's heartbeat
+        (serve.py), so that a loop busy with long requests is not taken for hung."""
         self.router = router
         self.config = config
         self.observer = observer
+        self._progress = progress or (lambda: None)
         self.tracer = tracer or DecisionTracer(None)
         routing = router.config
         self._block_tokens = routing.block_size_bytes / routing.bytes_per_token
@@ -227,9 +231,11 @@ class ExternalProcessorService(ext_grpc.ExternalProcessorServicer):
             return ()
         outcome.decide_seconds = time.perf_counter() - started
         no_endpoint = decision.rule == RULE_NO_ENDPOINT or decision.endpoint is None
-        if no_endpoint and not self.router.endpoints_known:
+        if no_endpoint and not self.router.endpoints_known and ex.subset is None:
             # Discovery has not answered yet (a worker just started while its siblings
-            # serve): "none" would be a false 503; the request goes on unrouted.
+            # serve): "none" would be a false 503; the request goes on unrouted. (Not for
+            # a GAIE gateway, which sends a subset hint: its picker must name an endpoint
+            # or answer an error, and the gateway does not route a request without one.)
             outcome.kind, outcome.detail = "pass_through", "endpoints_unknown"
             return ()
         outcome.decision = decision
@@ -252,7 +258,9 @@ class ExternalProcessorService(ext_grpc.ExternalProcessorServicer):
             }
         try:
             async for request in request_iterator:
-                for response in self._handle(ex, request):
+                responses = self._handle(ex, request)
+                self._progress()  # (here: this generator resumes after the others' work)
+                for response in responses:
                     yield response
                     # grpc.aio has written the answer before it resumes this generator:
                     # the index update is off the time Envoy waits (Router.record).

@@ -84,7 +84,7 @@ def test_endpoints_from_a_comma_string_and_ipv6():
         ({"endpoints": "127.0.0.1:1,127.0.0.1:1"}, "endpoints"),
         ({"routing.typo_field": 1}, "routing.typo_field"),
         ({"server.header_name": "has space"}, "server.header_name"),
-        ({"server.worker_hang_seconds": 1}, "server.worker_hang_seconds"),
+        ({"server.worker_hang_seconds": 4}, "server.worker_hang_seconds"),
     ],
 )
 def test_invalid_values_name_the_field(overrides, field):

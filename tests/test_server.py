@@ -239,7 +239,7 @@ async def test_before_discovery_answers_a_request_goes_on_unrouted_not_503():
     """Under discovery a worker serves its port before the first answer (a worker respawned
     while its siblings serve gets streams at once): no endpoint then means "not known yet",
     and the request goes on unrouted; it got "503 no ready endpoint". Once the list is
-    known, none is a 503 again."""
+    known, none is a 503 again; with a GAIE subset hint it stays a 503."""
     cfg = load_config(
         overrides={
             "server.listen": "127.0.0.1:0",
@@ -253,18 +253,33 @@ async def test_before_discovery_answers_a_request_goes_on_unrouted_not_503():
     )
     svc = RouterService(cfg)
     port = await svc.start()
-    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
-        stub = epg.ExternalProcessorStub(channel)
-        for full_duplex in (False, True):
-            responses = await exchange(stub, [headers_msg(full_duplex=full_duplex), body_msg(CHAT)])
-            assert not any(r.HasField("immediate_response") for r in responses)
-            body = responses[1].request_body.response
-            assert not body.HasField("header_mutation")
-        assert svc.outcomes.counts[("pass_through", "endpoints_unknown")] == 2, svc.outcomes.counts
-        svc.router.set_endpoints([])  # what discovery's first answer of none does
-        responses = await exchange(stub, [headers_msg(), body_msg(CHAT)])
-        assert responses[1].immediate_response.status.code == 503
-    await svc.stop(0)
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            stub = epg.ExternalProcessorStub(channel)
+            for full_duplex in (False, True):
+                responses = await exchange(
+                    stub, [headers_msg(full_duplex=full_duplex), body_msg(CHAT)]
+                )
+                assert not any(r.HasField("immediate_response") for r in responses)
+                body = responses[1].request_body.response
+                assert not body.HasField("header_mutation")
+            assert svc.outcomes.counts[("pass_through", "endpoints_unknown")] == 2, (
+                svc.outcomes.counts
+            )
+            # A GAIE gateway (a subset hint) routes nothing without an endpoint: its picker
+            # must answer an error, as before.
+            hint = ep.ProcessingRequest()
+            hint.CopyFrom(headers_msg())
+            subset = struct_pb2.Struct()
+            subset.update({"x-gateway-destination-endpoint-subset": ["127.0.0.1:8003"]})
+            hint.metadata_context.filter_metadata["envoy.lb.subset_hint"].CopyFrom(subset)
+            responses = await exchange(stub, [hint, body_msg(CHAT)])
+            assert responses[1].immediate_response.status.code == 503
+            svc.router.set_endpoints([])  # what discovery's first answer of none does
+            responses = await exchange(stub, [headers_msg(), body_msg(CHAT)])
+            assert responses[1].immediate_response.status.code == 503
+    finally:
+        await svc.stop(0)
 
 
 async def test_subset_hint_limits_the_choice_and_empty_subset_is_503(service):

@@ -221,13 +221,13 @@ def test_a_worker_killed_halfway_through_a_message_stops_nothing_else(tmp_path):
 def test_a_hung_worker_is_killed_and_replaced(tmp_path):
     """A worker is stopped (a hung event loop). The kernel keeps handing it a share of the
     new connections, and requests on Envoy's connections to it wait for the message timeout
-    (1 s) and go on unrouted; it stayed so for good. After server.worker_hang_seconds (4
+    (1 s) and go on unrouted; it stayed so for good. After server.worker_hang_seconds (5
     here) without a report the supervisor kills it, a new worker takes its place, and the
     requests are routed again. Every request is served throughout (BUFFERED: a stream that
     fails is continued without the router)."""
     metrics = tmp_path / "metrics"
     metrics.mkdir()
-    hang = 4.0
+    hang = 5.0
     with Stack(workdir=tmp_path) as stack:
         members = stack.start_replicas(2, FAST)
         address, router = stack.start_router(
@@ -283,12 +283,72 @@ def test_a_hung_worker_is_killed_and_replaced(tmp_path):
         router.process.wait(15)
 
 
-def test_a_supervisor_stopped_for_a_while_kills_no_worker(tmp_path):
-    """The supervisor itself stopped for longer than server.worker_hang_seconds (a paused
-    container, a starved node) read none of its workers' reports meanwhile: their
-    heartbeats, which they stamp in shared memory, say they ran, and none is killed for the
-    supervisor's own absence."""
-    hang = 3.0
+def test_a_worker_busy_with_long_requests_is_not_killed(tmp_path):
+    """14 requests of 17 MiB (500,000 short chat messages: ~0.5 s each to parse and route)
+    at once on one connection keep one worker's event loop busy for ~7 s, past
+    server.worker_hang_seconds (5): its heartbeat moves after every message it handles, so
+    it is not taken for hung. Beaten only once a second by a task of the loop, it was killed
+    and every stream failed UNAVAILABLE."""
+    import asyncio
+
+    import grpc
+    import orjson
+    from envoy.config.core.v3 import base_pb2
+    from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
+    from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as epg
+
+    messages = [{"role": "user", "content": f"m{i}"} for i in range(500_000)]
+    body = orjson.dumps({"model": "m", "messages": messages})
+    path = [(":path", b"/v1/chat/completions"), (":method", b"POST")]
+    headers = ep.ProcessingRequest(
+        request_headers=ep.HttpHeaders(
+            headers=base_pb2.HeaderMap(
+                headers=[base_pb2.HeaderValue(key=k, raw_value=v) for k, v in path]
+            )
+        )
+    )
+    request_body = ep.ProcessingRequest(request_body=ep.HttpBody(body=body, end_of_stream=True))
+
+    async def send_all(address: str, count: int) -> list[str]:
+        limit = 2 * len(body)
+        options = [("grpc.max_send_message_length", limit)]
+        async with grpc.aio.insecure_channel(address, options=options) as channel:
+            stub = epg.ExternalProcessorStub(channel)
+
+            async def one() -> str:
+                async def messages():
+                    yield headers
+                    yield request_body
+
+                try:
+                    answers = [a.WhichOneof("response") async for a in stub.Process(messages())]
+                except grpc.aio.AioRpcError as exc:
+                    return exc.code().name
+                return ",".join(answers)
+
+            return await asyncio.gather(*(one() for _ in range(count)))
+
+    with Stack(workdir=tmp_path) as stack:
+        members = stack.start_replicas(1, FAST)
+        address, _ = stack.start_router(
+            members, workers=2, extra_args=["--set", "server.worker_hang_seconds=5"], ready=True
+        )
+        started = time.monotonic()
+        answers = asyncio.run(send_all(address, 14))
+        busy = time.monotonic() - started
+        assert answers == ["request_headers,request_body"] * 14, answers
+        print(f"14 requests of {len(body) / 2**20:.1f} MiB answered in {busy:.1f} s")
+        assert "silent for" not in (tmp_path / "router.log").read_text()
+
+
+@pytest.mark.parametrize("stopped", ["supervisor", "everyone"])
+def test_a_pause_kills_no_worker(tmp_path, stopped):
+    """The supervisor alone (a starved process) or with its workers (a paused container,
+    the cgroup freezer) stopped for longer than server.worker_hang_seconds: no worker is
+    killed for it. The supervisor times silence on its own clock and counts it afresh after
+    a gap in its own loop; timed by the pipe's reports, a paused supervisor killed healthy
+    workers, and timed by the workers' own stamps, a thawed group killed every worker."""
+    hang = 5.0
     with Stack(workdir=tmp_path) as stack:
         members = stack.start_replicas(1, FAST)
         _, router = stack.start_router(
@@ -301,12 +361,15 @@ def test_a_supervisor_stopped_for_a_while_kills_no_worker(tmp_path):
         supervisor = router.process.pid
         workers = sorted(_worker_pids(supervisor))
         assert len(workers) == 2
-        time.sleep(1.5)  # (each has reported)
-        os.kill(supervisor, signal.SIGSTOP)
+        time.sleep(1.5)  # (each has beaten)
+        paused = [supervisor] + (workers if stopped == "everyone" else [])
+        for pid in paused:
+            os.kill(pid, signal.SIGSTOP)
         try:
             time.sleep(hang + 3)
         finally:
-            os.kill(supervisor, signal.SIGCONT)
+            for pid in paused:
+                os.kill(pid, signal.SIGCONT)
         time.sleep(2.0)
         assert "silent for" not in (tmp_path / "router.log").read_text()
         assert sorted(_worker_pids(supervisor)) == workers
