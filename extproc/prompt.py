@@ -57,6 +57,11 @@ def api_for_path(path: str) -> str | None:
 # One request counts as at most this many of the server's (a client's n=10**9, which the
 # server refuses, must not make this router read itself as placing all the traffic).
 MAX_ENGINE_REQUESTS = 256
+# Messages a conversation may have and still be routed (more pass through unrouted). Framing
+# costs ~2-3 µs a message on the event loop whatever its size: a body within max_body_bytes of
+# 22 million empty messages held a worker for 65 s (long enough to be killed as hung); the
+# cap holds one request to ~0.3 s.
+MAX_MESSAGES = 100_000
 
 _FRAMING_BYTES = (b"\x1b", b"\x01", b"\x02", b"\x03")
 # The usual roles' frame heads, built once (the escaping cannot change them).
@@ -166,6 +171,8 @@ def _message_bytes(message: Any) -> tuple[str, bytes]:
 
 
 def _conversation(preamble: list[bytes], messages: list[Any]) -> tuple[bytes, int, int]:
+    if len(messages) > MAX_MESSAGES:
+        raise NotRoutable("too_many_messages", f"{len(messages)} messages (over {MAX_MESSAGES})")
     parts = [_message_bytes(message) for message in messages]
     bodies = _escape_each([body for _, body in parts])
     framed = [

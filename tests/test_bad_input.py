@@ -228,6 +228,14 @@ CASES = [
         {400},
         ("pass_through", "bad_messages"),
     ),
+    Case(
+        "too_many_messages",
+        post(
+            dumps({"model": "demo-model", "messages": [{"role": "user", "content": "x"}] * 100_001})
+        ),
+        {200},
+        ("pass_through", "too_many_messages"),
+    ),
     Case("model_number", post(dumps(chat(model=123))), {404}, ("pass_through", "bad_model")),
     Case(
         "cache_salt_number", post(dumps(chat(cache_salt=5))), {200}, ("pass_through", "bad_model")
