@@ -663,11 +663,11 @@ class _Supervisor:
                 self.beats_seen.pop(p, None)
                 hung = p in self.hung
                 self.hung.discard(p)
-                now = time.monotonic()
-                if now - started[i] < QUICK_FAILURE_SECONDS and not hung:
+                died = time.monotonic()  # (not ``now``: the workers after this one keep it)
+                if died - started[i] < QUICK_FAILURE_SECONDS and not hung:
                     # (A hung worker killed is replaced at most once per hang limit.)
-                    quick_failures.append(now)
-                quick_failures = [t for t in quick_failures if now - t < FAILURE_WINDOW_SECONDS]
+                    quick_failures.append(died)
+                quick_failures = [t for t in quick_failures if died - t < FAILURE_WINDOW_SECONDS]
                 if len(quick_failures) > 3 * self.config.server.workers:
                     log.error("workers keep failing at start-up; giving up")
                     self.on_signal(signal.SIGTERM, None)
