@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from extproc.stack import Stack
+from extproc.stack import ManagedProcess, Stack
 
 from .conftest import chat_body, request, start_routed_stack
 
@@ -229,20 +229,11 @@ def test_a_hung_worker_is_killed_and_replaced(tmp_path):
     metrics.mkdir()
     hang = 5.0
     with Stack(workdir=tmp_path) as stack:
-        members = stack.start_replicas(2, FAST)
-        address, router = stack.start_router(
-            members,
-            workers=2,
-            extra_args=["--set", f"server.worker_hang_seconds={hang}"],
-            env={"PROMETHEUS_MULTIPROC_DIR": str(metrics)},
-            ready=True,
+        members, address, router, supervisor, workers = _two_workers(
+            stack, 2, hang, {"PROMETHEUS_MULTIPROC_DIR": str(metrics)}
         )
         port, _ = stack.start_proxy("override-host", members, address)
-        assert router.process is not None
-        supervisor = router.process.pid
         admin = stack.router_admin_ports["router"]
-        workers = _worker_pids(supervisor)
-        assert len(workers) == 2
         for i in range(4):
             assert request(port, chat_body(f"warm up {i}")).status == 200
         busy = max(workers, key=lambda pid: _requests_of(metrics, pid))
@@ -329,10 +320,7 @@ def test_a_worker_busy_with_long_requests_is_not_killed(tmp_path):
             return await asyncio.gather(*(one() for _ in range(count)))
 
     with Stack(workdir=tmp_path) as stack:
-        members = stack.start_replicas(1, FAST)
-        address, _ = stack.start_router(
-            members, workers=2, extra_args=["--set", "server.worker_hang_seconds=5"], ready=True
-        )
+        _, address, *_ = _two_workers(stack, 1, 5.0)
         started = time.monotonic()
         answers = asyncio.run(send_all(address, 14))
         busy = time.monotonic() - started
@@ -350,17 +338,7 @@ def test_a_pause_kills_no_worker(tmp_path, stopped):
     workers, and timed by the workers' own stamps, a thawed group killed every worker."""
     hang = 5.0
     with Stack(workdir=tmp_path) as stack:
-        members = stack.start_replicas(1, FAST)
-        _, router = stack.start_router(
-            members,
-            workers=2,
-            extra_args=["--set", f"server.worker_hang_seconds={hang}"],
-            ready=True,
-        )
-        assert router.process is not None
-        supervisor = router.process.pid
-        workers = sorted(_worker_pids(supervisor))
-        assert len(workers) == 2
+        _, _, _, supervisor, workers = _two_workers(stack, 1, hang)
         time.sleep(1.5)  # (each has beaten)
         paused = [supervisor] + (workers if stopped == "everyone" else [])
         for pid in paused:
@@ -372,7 +350,26 @@ def test_a_pause_kills_no_worker(tmp_path, stopped):
                 os.kill(pid, signal.SIGCONT)
         time.sleep(2.0)
         assert "silent for" not in (tmp_path / "router.log").read_text()
-        assert sorted(_worker_pids(supervisor)) == workers
+        assert sorted(_worker_pids(supervisor)) == sorted(workers)
+
+
+def _two_workers(
+    stack: Stack, replicas: int, hang: float, env: dict[str, str] | None = None
+) -> tuple[list[str], str, ManagedProcess, int, list[int]]:
+    """Stand-ins and a router of two workers with server.worker_hang_seconds ``hang``:
+    (the stand-ins, the router's address, its process, the supervisor's pid, the workers')."""
+    members = stack.start_replicas(replicas, FAST)
+    address, router = stack.start_router(
+        members,
+        workers=2,
+        extra_args=["--set", f"server.worker_hang_seconds={hang}"],
+        env=env,
+        ready=True,
+    )
+    assert router.process is not None
+    workers = _worker_pids(router.process.pid)
+    assert len(workers) == 2
+    return members, address, router, router.process.pid, workers
 
 
 def _requests_of(metrics: Path, pid: int) -> float:
