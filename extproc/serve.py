@@ -657,8 +657,7 @@ class _Supervisor:
                 if p.is_alive():
                     self._kill_if_hung(p, now)
                     continue
-                mark_process_dead(p.pid)
-                self.worker_ready.pop(p, None)
+                mark_process_dead(p.pid)  # (its readiness goes with its pipe: _read)
                 self.heartbeats.pop(p, None)
                 self.beats_seen.pop(p, None)
                 hung = p in self.hung

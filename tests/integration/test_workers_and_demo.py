@@ -222,7 +222,7 @@ def test_a_hung_worker_is_killed_and_replaced(tmp_path):
     """A worker is stopped (a hung event loop). The kernel keeps handing it a share of the
     new connections, and requests on Envoy's connections to it wait for the message timeout
     (1 s) and go on unrouted; it stayed so for good. After server.worker_hang_seconds (5
-    here) without a report the supervisor kills it, a new worker takes its place, and the
+    here) without a heartbeat the supervisor kills it, a new worker takes its place, and the
     requests are routed again. Every request is served throughout (BUFFERED: a stream that
     fails is continued without the router)."""
     metrics = tmp_path / "metrics"
