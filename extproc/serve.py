@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import gc
 import glob
 import logging
@@ -516,6 +517,22 @@ def _worker_main(
     )
 
 
+@dataclasses.dataclass(eq=False)
+class _Worker:
+    """One worker process and what the supervisor knows of it."""
+
+    process: multiprocessing.process.BaseProcess
+    heartbeat: Any  # the count its event loop raises (_worker_main)
+    started: float  # on this process's clock
+    # Its readiness as it last reported it; False once its pipe ended (_Supervisor._read).
+    ready: bool = False
+    # Its heartbeat count as last seen, and when that last moved, on this process's clock
+    # (_Supervisor._watch_heartbeats).
+    beats_seen: float = 0.0
+    moved: float = 0.0
+    hung: bool = False  # killed for its silence
+
+
 class _Supervisor:
     """Runs N workers on one port, the shared admin endpoint, and restarts dead workers.
 
@@ -534,49 +551,42 @@ class _Supervisor:
         self.placements = PlacementLog(hash_scheme(config.routing.block_size_bytes))
         self.received: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
         self.stopping = False
-        self.workers: list[multiprocessing.process.BaseProcess] = []
-        # Each worker's readiness as it last reported it, and its heartbeat (_worker_main).
-        self.worker_ready: dict[multiprocessing.process.BaseProcess, bool] = {}
-        self.heartbeats: dict[multiprocessing.process.BaseProcess, Any] = {}
-        # Each worker's heartbeat count as last seen, and when it last moved, on this
-        # process's clock (see _watch_heartbeats).
-        self.beats_seen: dict[multiprocessing.process.BaseProcess, tuple[float, float]] = {}
+        self.workers: list[_Worker] = []
         self.restarts = WorkerRestarts()
-        self.hung: set[multiprocessing.process.BaseProcess] = set()  # killed for their silence
 
-    def spawn(self) -> multiprocessing.process.BaseProcess:
+    def spawn(self) -> _Worker:
         reader, writer = self.ctx.Pipe(duplex=False)
         heartbeat = self.ctx.Value("d", 0.0, lock=False)  # (0: no beat yet)
         process = self.ctx.Process(
             target=_worker_main, args=(self.data, self.log_level, writer, heartbeat)
         )
-        self.heartbeats[process] = heartbeat
+        worker = _Worker(process, heartbeat, started=time.monotonic())
         process.start()
         writer.close()  # the worker's copy is the only one: its death ends the pipe
         threading.Thread(
             target=self._read,
-            args=(reader, process),
+            args=(reader, worker),
             name=f"from-worker-{process.pid}",
             daemon=True,
         ).start()
-        return process
+        return worker
 
-    def _read(self, reader: Any, process: multiprocessing.process.BaseProcess) -> None:
+    def _read(self, reader: Any, worker: _Worker) -> None:
         try:
             with contextlib.closing(reader), contextlib.suppress(EOFError, OSError):
                 while True:
                     kind, item = reader.recv()
                     if kind == "ready":
-                        self.worker_ready[process] = item
+                        worker.ready = item
                     else:
                         self.received.put((kind, item))
         finally:
-            self.worker_ready.pop(process, None)  # (the worker is gone)
+            worker.ready = False  # (the worker is gone)
 
-    def _silent_for(self, worker: multiprocessing.process.BaseProcess, now: float) -> float:
+    @staticmethod
+    def _silent_for(worker: _Worker, now: float) -> float:
         """Seconds since the worker's heartbeat last moved (inf: it never beat)."""
-        count, moved = self.beats_seen.get(worker, (0.0, 0.0))
-        return now - moved if count else math.inf
+        return now - worker.moved if worker.beats_seen else math.inf
 
     def _watch_heartbeats(self, now: float, woke: float) -> None:
         """Note which workers' heartbeats moved since the last round. Silence is timed on
@@ -586,14 +596,10 @@ class _Supervisor:
         (Timed by the workers' own stamps, a thawed group killed every worker.)"""
         away = now - woke > 1.0
         for worker in self.workers:
-            heartbeat = self.heartbeats.get(worker)
-            if heartbeat is None:
-                continue
-            count = heartbeat.value
-            seen, moved = self.beats_seen.get(worker, (0.0, now))
-            if count != seen or away:
-                moved = now
-            self.beats_seen[worker] = (count, moved)
+            count = worker.heartbeat.value
+            if count != worker.beats_seen or away:
+                worker.moved = now
+            worker.beats_seen = count
 
     def ready(self) -> bool:
         """A live worker said within WORKER_SILENT_SECONDS that it is ready: it serves its
@@ -601,15 +607,16 @@ class _Supervisor:
         answered ready whatever they knew, and while every worker hung)."""
         now = time.monotonic()
 
-        def says_ready(p: multiprocessing.process.BaseProcess) -> bool:
-            ready = self.worker_ready.get(p, False)
-            return ready and self._silent_for(p, now) < WORKER_SILENT_SECONDS and p.is_alive()
+        def says_ready(worker: _Worker) -> bool:
+            silent = self._silent_for(worker, now)
+            return worker.ready and silent < WORKER_SILENT_SECONDS and worker.process.is_alive()
 
-        return not self.stopping and any(says_ready(p) for p in self.workers)
+        return not self.stopping and any(says_ready(w) for w in self.workers)
 
     def on_signal(self, signum: int, _frame: object) -> None:
         self.stopping = True
-        for p in self.workers:
+        for worker in self.workers:
+            p = worker.process
             if p.is_alive() and p.pid:
                 os.kill(p.pid, signum)
 
@@ -618,7 +625,7 @@ class _Supervisor:
             app = build_admin_app(self.decisions, self.ready, self.placements, self.restarts)
             runner, port = await start_admin(app, self.config.server.admin_listen)
             log.info("admin endpoint on port %d (all workers)", port)
-            while not self.stopping or any(p.is_alive() for p in self.workers):
+            while not self.stopping or any(w.process.is_alive() for w in self.workers):
                 await asyncio.sleep(0.2)
             await runner.cleanup()
 
@@ -638,7 +645,6 @@ class _Supervisor:
         signal.signal(signal.SIGTERM, self.on_signal)
         signal.signal(signal.SIGINT, self.on_signal)
         self.workers = [self.spawn() for _ in range(self.config.server.workers)]
-        started = [time.monotonic()] * len(self.workers)
         if self.config.server.admin_listen:
             threading.Thread(target=self._admin_thread, name="admin", daemon=True).start()
         quick_failures: list[float] = []
@@ -653,17 +659,14 @@ class _Supervisor:
             now = time.monotonic()
             self._watch_heartbeats(now, woke)
             woke = now
-            for i, p in enumerate(self.workers):
+            for i, worker in enumerate(self.workers):
+                p = worker.process
                 if p.is_alive():
-                    self._kill_if_hung(p, now)
+                    self._kill_if_hung(worker, now)
                     continue
                 mark_process_dead(p.pid)  # (its readiness goes with its pipe: _read)
-                self.heartbeats.pop(p, None)
-                self.beats_seen.pop(p, None)
-                hung = p in self.hung
-                self.hung.discard(p)
                 died = time.monotonic()  # (not ``now``: the workers after this one keep it)
-                if died - started[i] < QUICK_FAILURE_SECONDS and not hung:
+                if died - worker.started < QUICK_FAILURE_SECONDS and not worker.hung:
                     # (A hung worker killed is replaced at most once per hang limit.)
                     quick_failures.append(died)
                 quick_failures = [t for t in quick_failures if died - t < FAILURE_WINDOW_SECONDS]
@@ -672,10 +675,10 @@ class _Supervisor:
                     self.on_signal(signal.SIGTERM, None)
                     return self._wait_for_workers(1)
                 log.warning("worker pid %s exited with %s; restarting", p.pid, p.exitcode)
-                self.restarts.counts["hung" if hung else "exited"] += 1
-                self.workers[i], started[i] = self.spawn(), time.monotonic()
+                self.restarts.counts["hung" if worker.hung else "exited"] += 1
+                self.workers[i] = self.spawn()
 
-    def _kill_if_hung(self, worker: multiprocessing.process.BaseProcess, now: float) -> None:
+    def _kill_if_hung(self, worker: _Worker, now: float) -> None:
         """SIGKILL a worker whose heartbeat moved before and not for
         server.worker_hang_seconds (run() then starts another): its event loop raises it
         every second and after every ext_proc message, so a loop busy with long requests
@@ -690,26 +693,27 @@ class _Supervisor:
         timed on this process's clock (_watch_heartbeats)."""
         hang = self.config.server.worker_hang_seconds
         silent = self._silent_for(worker, now)
-        if not hang or silent < hang or math.isinf(silent) or worker in self.hung:
+        if not hang or silent < hang or math.isinf(silent) or worker.hung:
             return
         log.warning(
             "worker pid %s silent for %.0fs (event loop hung or stopped); killing it",
-            worker.pid,
+            worker.process.pid,
             silent,
         )
-        self.hung.add(worker)
-        worker.kill()
+        worker.hung = True
+        worker.process.kill()
 
     def _wait_for_workers(self, code: int) -> int:
         """Until every worker has drained and exited, its messages still read. (Each is told
         again: one respawned while the signal came was not in the list it went through.)"""
         self.on_signal(signal.SIGTERM, None)
-        while any(p.is_alive() for p in self.workers):
+        while any(w.process.is_alive() for w in self.workers):
             self._drain_decisions()
             time.sleep(0.1)
-        for p in self.workers:
-            p.join()
-            mark_process_dead(p.pid)  # (an operator's metrics directory outlives this run)
+        for worker in self.workers:
+            worker.process.join()
+            # (An operator's metrics directory outlives this run.)
+            mark_process_dead(worker.process.pid)
         return code
 
 
