@@ -115,15 +115,15 @@ class Router:
         cost: CostModel | None = None,
         clock: Callable[[], float] = time.monotonic,
         learns_capacity: bool = True,
+        endpoints_known: bool = True,
     ) -> None:
         """``learns_capacity``: endpoints' KV sizes will be read (observe_signals), so an
-        endpoint without a configured one has a provisional index size until then."""
+        endpoint without a configured one has a provisional index size until then.
+        ``endpoints_known``: False under discovery, whose first answer (set_endpoints) tells
+        what is there; no endpoint before that is "not known yet", not "none" (server.py
+        passes such requests through)."""
         self.config = config
         self.learns_capacity = learns_capacity
-        # Whether the endpoint list is what is there: True for a configured list, False
-        # under discovery until its first answer (set_endpoints). No endpoint before that
-        # is "not known yet", not "none" (serve.py passes such requests through).
-        self.endpoints_known = True
         self.cost = cost or CostModel.from_config(config)
         self.clock = clock
         self.scheduler = Scheduler(config, self.cost)
@@ -211,6 +211,7 @@ class Router:
         self._peer_placed_until = -math.inf
         self._alone_cold_margin = self.cost.cold_margin
         self.set_endpoints(endpoints)
+        self.endpoints_known = endpoints_known  # (set_endpoints sets it)
 
     # -- endpoint set -------------------------------------------------------------------
     def capacity_blocks(self, capacity_tokens: int | None) -> int:

@@ -120,12 +120,14 @@ class RouterService:
         it to check the configuration (else loaded here)."""
         self.config = config
         self._heartbeat = heartbeat or (lambda: None)
-        self.router = Router(
-            config.routing, config.endpoints, learns_capacity=config.signals.enabled
-        )
         # Under discovery the list is not known until its first answer: a worker started
         # beside others that serve (a respawn) gets streams before then.
-        self.router.endpoints_known = config.discovery.kind == "static"
+        self.router = Router(
+            config.routing,
+            config.endpoints,
+            learns_capacity=config.signals.enabled,
+            endpoints_known=config.discovery.kind == "static",
+        )
         self.outcomes = OutcomeCounter()
         self.metrics = process_metrics()
         self.decisions = DecisionLog(config.server.decisions_kept)
