@@ -506,6 +506,11 @@ def _ext_proc_filter(options: EnvoyOptions) -> dict[str, Any]:
                 "failure_mode_allow": True,
                 "message_timeout": _duration(options.message_timeout_ms / 1000),
                 "processing_mode": processing_mode,
+                # With the response headers: the endpoint that answered and Envoy's response
+                # flags (UF: it could not connect). The served-endpoint header and the failure
+                # marker below tell the same; a gateway's Envoy config (Istio, Envoy Gateway)
+                # that adds neither needs only this filter's settings (deploy/).
+                "response_attributes": ["upstream.address", "response.flags"],
                 # Pass-through requests (not an LLM call) answer the headers with
                 # mode_override {request_body_mode: NONE} so Envoy skips sending the body.
                 "allow_mode_override": True,

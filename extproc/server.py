@@ -52,6 +52,15 @@ ECHO_CHUNK_BYTES = 1024 * 1024
 SUBSET_NAMESPACE = "envoy.lb.subset_hint"
 # Set by the Envoy configs (envoyconf.py) on Envoy's own reply when the upstream was unreachable.
 UPSTREAM_FAILURE_HEADER = "x-prefix-router-upstream-failure"
+# The same two facts as Envoy's ext_proc response attributes (envoyconf: response_attributes),
+# for a gateway whose Envoy config adds neither header (Istio, Envoy Gateway): the endpoint the
+# response came from, and Envoy's response flags, of which UF (bit 5: it could not connect
+# to the endpoint; with retries exhausted URX, bit 15, comes with it) marks the endpoint dead.
+# (Not URX alone: retries used up on a live endpoint's 5xx answers.)
+EXT_PROC_FILTER = "envoy.filters.http.ext_proc"
+SERVED_ATTRIBUTE = "upstream.address"
+FLAGS_ATTRIBUTE = "response.flags"
+UPSTREAM_CONNECTION_FAILURE = 1 << 5
 SUBSET_KEY = "x-gateway-destination-endpoint-subset"
 
 
@@ -419,7 +428,10 @@ class ExternalProcessorService(ext_grpc.ExternalProcessorServicer):
     def _on_response_headers(self, ex: _Exchange, request: ext_pb.ProcessingRequest) -> None:
         headers = _header_map(request.response_headers)
         ex.outcome.status = headers.get(":status", "")
-        served = headers.get(self.config.served_header_name, "")
+        attributes = _response_attributes(request)
+        served = headers.get(self.config.served_header_name, "") or str(
+            attributes.get(SERVED_ATTRIBUTE, "")
+        )
         ex.outcome.served = served
         decision = ex.outcome.decision
         if decision is not None:
@@ -428,11 +440,29 @@ class ExternalProcessorService(ext_grpc.ExternalProcessorServicer):
             ex.event_stream = _is_event_stream(ex.outcome.status, headers)
             if not ex.event_stream:
                 self.router.prefill_done(decision)
-        if served and headers.get(UPSTREAM_FAILURE_HEADER):
+        flags = attributes.get(FLAGS_ATTRIBUTE)
+        unreachable = isinstance(flags, float) and int(flags) & UPSTREAM_CONNECTION_FAILURE
+        if served and (headers.get(UPSTREAM_FAILURE_HEADER) or unreachable):
             # Envoy could not reach the endpoint (its local reply carries the response flags):
             # stop picking it now rather than at the next failed probe; a passing probe
             # brings it back.
             self.router.set_health(served, False)
+
+
+def _response_attributes(request: ext_pb.ProcessingRequest) -> dict[str, Any]:
+    """The attributes Envoy sends with the response headers (the ext_proc filter's
+    ``response_attributes``), by name; {} when none are configured."""
+    if not request.attributes:
+        return {}
+    attributes = request.attributes.get(EXT_PROC_FILTER)
+    if attributes is None:
+        return {}
+    return {name: _struct_value(value) for name, value in attributes.fields.items()}
+
+
+def _struct_value(value: Any) -> Any:
+    kind = value.WhichOneof("kind")
+    return getattr(value, kind) if kind in {"string_value", "number_value", "bool_value"} else None
 
 
 def _echo(data: bytes, end_of_stream: bool) -> ext_pb.ProcessingResponse:

@@ -357,6 +357,9 @@ def test_envoy_gateway_resources_fit_together() -> None:
     ]
     assert ext_proc["metadata"]["writableNamespaces"] == [envoyconf.LB_NAMESPACE]
     assert ext_proc["failOpen"] is True
+    # The served endpoint and Envoy's response flags, as the generated configs ask for them.
+    attributes = reference_ext_proc()["typed_config"]["response_attributes"]
+    assert ext_proc["processingMode"]["response"]["attributes"] == attributes
     assert patch["spec"]["targetRef"]["name"] == gateway["metadata"]["name"]
     emptied, policy_patch = patch["spec"]["jsonPatches"]
     for cluster_patch in (emptied, policy_patch):

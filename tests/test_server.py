@@ -315,6 +315,51 @@ async def test_served_report_corrects_the_index(service):
     }
 
 
+def attributes_response_msg(status: str, attributes: dict[str, Any]):
+    """Response headers without the served-endpoint header, with Envoy's ext_proc response
+    attributes (an Istio or Envoy Gateway config: response_attributes)."""
+    msg = ep.ProcessingRequest(
+        response_headers=ep.HttpHeaders(
+            headers=base_pb2.HeaderMap(
+                headers=[base_pb2.HeaderValue(key=":status", raw_value=status.encode())]
+            )
+        )
+    )
+    msg.attributes["envoy.filters.http.ext_proc"].update(attributes)
+    return msg
+
+
+async def test_the_served_endpoint_and_a_refused_connection_are_read_from_envoys_attributes(
+    service,
+):
+    """No served-endpoint header, no failure marker: Envoy's ``upstream.address`` corrects
+    the index as the header does, and ``response.flags`` with UF (bit 5: Envoy could not
+    connect; 32800 is UF | URX, as Envoy 1.40 reports a refused connection) takes the
+    endpoint out at once; URX alone (retries used up on a live endpoint's 5xx) does not."""
+    served = "127.0.0.1:8002"
+    responses = await exchange(
+        service.stub,
+        [
+            headers_msg(),
+            body_msg(CHAT),
+            attributes_response_msg("200", {"upstream.address": served, "response.flags": 0}),
+        ],
+    )
+    assert responses[-1].WhichOneof("response") == "response_headers"
+    assert service.router.index.match(CHAT_HASHES, [served]) == {served: len(CHAT_HASHES)}
+    retried_out = {"upstream.address": served, "response.flags": 1 << 15}
+    await exchange(
+        service.stub, [headers_msg(), body_msg(CHAT), attributes_response_msg("503", retried_out)]
+    )
+    assert served in service.router.healthy_endpoints()
+    refused = {"upstream.address": served, "response.flags": 32800}
+    await exchange(
+        service.stub, [headers_msg(), body_msg(CHAT), attributes_response_msg("503", refused)]
+    )
+    assert served not in service.router.healthy_endpoints()
+    assert len(service.router.healthy_endpoints()) == 2
+
+
 @pytest.mark.parametrize("ends", ["next message", "stream closed"])
 async def test_the_index_learns_a_placement_once_its_answer_is_out(service, ends):
     """The servicer yields the routing answer, grpc.aio writes it, and only then does the

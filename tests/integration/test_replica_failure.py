@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import copy
 import time
+from pathlib import Path
+from typing import Any
 
 import pytest
+import yaml
 
+from extproc import envoyconf
 from extproc.stack import Stack
 
 from .conftest import chat_body, start_routed_stack
@@ -112,3 +117,61 @@ def test_a_replica_cannot_mark_itself_failed_with_envoys_header(mode):
             served.append(response.replica)
             history += ["An answer.", f"next question {turn}"]
         assert len(set(served)) == 1, served
+
+
+ISTIO_FILTER = Path(__file__).resolve().parents[2] / "deploy" / "istio" / "envoyfilter.yaml"
+
+
+def _as_istio_gateway(config: dict[str, Any]) -> dict[str, Any]:
+    """A generated override-host config as an Istio gateway's Envoy has it: its own
+    connection manager, so neither the served-endpoint header nor the upstream-failure
+    marker, with deploy/istio's ext_proc filter (to the test's router cluster)."""
+    patches = yaml.safe_load(ISTIO_FILTER.read_text())["spec"]["configPatches"]
+    (ext_proc,) = [p["patch"]["value"] for p in patches if p["applyTo"] == "HTTP_FILTER"]
+    ext_proc = copy.deepcopy(ext_proc)
+    ext_proc["typed_config"]["grpc_service"]["envoy_grpc"]["cluster_name"] = (
+        envoyconf.ROUTER_CLUSTER
+    )
+    manager = config["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]
+    manager = manager["typed_config"]
+    del manager["local_reply_config"]
+    virtual_host = manager["route_config"]["virtual_hosts"][0]
+    del virtual_host["response_headers_to_add"], virtual_host["response_headers_to_remove"]
+    filters = manager["http_filters"]
+    (position,) = [i for i, f in enumerate(filters) if f["name"] == ext_proc["name"]]
+    filters[position] = ext_proc
+    return config
+
+
+def test_under_istio_a_dead_replica_is_out_after_envoys_first_failure(monkeypatch):
+    """deploy/istio's EnvoyFilter on a gateway that adds neither header: Envoy's response
+    attributes (the endpoint that answered, its response flags) tell the router that it
+    refused the connection, and the router stops picking it at once (probes every 30 s, no
+    retries). Without them the conversation kept going to the dead replica."""
+    render = envoyconf.render
+    monkeypatch.setattr(envoyconf, "render", lambda options: _as_istio_gateway(render(options)))
+    with Stack() as stack:
+        members = stack.start_replicas(3, FAST)
+        routed = start_routed_stack(
+            stack,
+            "override-host",
+            "buffered",
+            members,
+            ["--set", "health.interval_seconds=30"],
+            retries=0,
+        )
+        history = ["Tell me about the dead replica. " * 30]
+        home = routed.send(chat_body(*history))
+        assert home.status == 200
+        assert "x-gateway-destination-endpoint-served" not in home.headers  # Istio's shape
+        dead = next(p for p in stack.processes if p.name == home.replica)
+        stack.stop(dead)
+        history += ["An answer.", "first question after the death"]
+        first = routed.send(chat_body(*history))
+        assert first.status == 503  # no retry configured: this one is lost
+        assert "x-prefix-router-upstream-failure" not in first.headers
+        for turn in range(5):
+            history += ["An answer.", f"next question {turn}"]
+            response = routed.send(chat_body(*history))
+            assert response.status == 200, response.body[:300]
+            assert response.replica != home.replica
