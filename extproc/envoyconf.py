@@ -509,7 +509,8 @@ def _ext_proc_filter(options: EnvoyOptions) -> dict[str, Any]:
                 # With the response headers: the endpoint that answered and Envoy's response
                 # flags (UF: it could not connect). The served-endpoint header and the failure
                 # marker below tell the same; a gateway's Envoy config (Istio, Envoy Gateway)
-                # that adds neither needs only this filter's settings (deploy/).
+                # that adds neither needs only this filter's settings (deploy/), and there a
+                # replica could forge the headers: the router reads these first (server.py).
                 "response_attributes": ["upstream.address", "response.flags"],
                 # Pass-through requests (not an LLM call) answer the headers with
                 # mode_override {request_body_mode: NONE} so Envoy skips sending the body.

@@ -11,6 +11,7 @@ The decision's endpoint counts one in-flight request until the stream ends.
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
@@ -53,14 +54,29 @@ SUBSET_NAMESPACE = "envoy.lb.subset_hint"
 # Set by the Envoy configs (envoyconf.py) on Envoy's own reply when the upstream was unreachable.
 UPSTREAM_FAILURE_HEADER = "x-prefix-router-upstream-failure"
 # The same two facts as Envoy's ext_proc response attributes (envoyconf: response_attributes),
-# for a gateway whose Envoy config adds neither header (Istio, Envoy Gateway): the endpoint the
-# response came from, and Envoy's response flags, of which UF (bit 5: it could not connect
-# to the endpoint; with retries exhausted URX, bit 15, comes with it) marks the endpoint dead.
-# (Not URX alone: retries used up on a live endpoint's 5xx answers.)
+# which a gateway whose Envoy config adds neither header has too (Istio, Envoy Gateway), and
+# which no replica can forge (a gateway does not strip those headers from its responses): the
+# endpoint the response came from, and Envoy's response flags for the last attempt. The
+# endpoint is dead where the marker's rule says so: Envoy could not connect (UF), or it reset
+# the connection (UC, UR) on the last of the retries (URX). Not URX alone: retries used up
+# on a live endpoint's 5xx answers, which Envoy forwards.
 EXT_PROC_FILTER = "envoy.filters.http.ext_proc"
 SERVED_ATTRIBUTE = "upstream.address"
 FLAGS_ATTRIBUTE = "response.flags"
-UPSTREAM_CONNECTION_FAILURE = 1 << 5
+_UPSTREAM_REMOTE_RESET = 1 << 4  # UR
+_UPSTREAM_CONNECTION_FAILURE = 1 << 5  # UF
+_UPSTREAM_CONNECTION_TERMINATION = 1 << 6  # UC
+_UPSTREAM_RETRY_LIMIT_EXCEEDED = 1 << 15  # URX
+
+
+def unreachable_by_flags(flags: int) -> bool:
+    """Whether Envoy's response flags say the endpoint could not be reached (see above)."""
+    reset = flags & (_UPSTREAM_REMOTE_RESET | _UPSTREAM_CONNECTION_TERMINATION)
+    return bool(flags & _UPSTREAM_CONNECTION_FAILURE) or bool(
+        reset and flags & _UPSTREAM_RETRY_LIMIT_EXCEEDED
+    )
+
+
 SUBSET_KEY = "x-gateway-destination-endpoint-subset"
 
 
@@ -429,9 +445,12 @@ class ExternalProcessorService(ext_grpc.ExternalProcessorServicer):
         headers = _header_map(request.response_headers)
         ex.outcome.status = headers.get(":status", "")
         attributes = _response_attributes(request)
-        served = headers.get(self.config.served_header_name, "") or str(
-            attributes.get(SERVED_ATTRIBUTE, "")
-        )
+        # Envoy's own attributes first: a gateway forwards a replica's response headers.
+        address = attributes.get(SERVED_ATTRIBUTE)
+        if isinstance(address, str) and address:
+            served = address
+        else:
+            served = headers.get(self.config.served_header_name, "")
         ex.outcome.served = served
         decision = ex.outcome.decision
         if decision is not None:
@@ -441,8 +460,11 @@ class ExternalProcessorService(ext_grpc.ExternalProcessorServicer):
             if not ex.event_stream:
                 self.router.prefill_done(decision)
         flags = attributes.get(FLAGS_ATTRIBUTE)
-        unreachable = isinstance(flags, float) and int(flags) & UPSTREAM_CONNECTION_FAILURE
-        if served and (headers.get(UPSTREAM_FAILURE_HEADER) or unreachable):
+        if isinstance(flags, float) and math.isfinite(flags) and flags >= 0:
+            unreachable = unreachable_by_flags(int(flags))
+        else:
+            unreachable = bool(headers.get(UPSTREAM_FAILURE_HEADER))
+        if served and unreachable:
             # Envoy could not reach the endpoint (its local reply carries the response flags):
             # stop picking it now rather than at the next failed probe; a passing probe
             # brings it back.

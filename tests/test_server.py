@@ -329,35 +329,74 @@ def attributes_response_msg(status: str, attributes: dict[str, Any]):
     return msg
 
 
-async def test_the_served_endpoint_and_a_refused_connection_are_read_from_envoys_attributes(
-    service,
-):
-    """No served-endpoint header, no failure marker: Envoy's ``upstream.address`` corrects
-    the index as the header does, and ``response.flags`` with UF (bit 5: Envoy could not
-    connect; 32800 is UF | URX, as Envoy 1.40 reports a refused connection) takes the
-    endpoint out at once; URX alone (retries used up on a live endpoint's 5xx) does not."""
+async def test_the_served_endpoint_is_read_from_envoys_attributes(service):
+    """No served-endpoint header: Envoy's ``upstream.address`` corrects the index as the
+    header does."""
     served = "127.0.0.1:8002"
+    ok = {"upstream.address": served, "response.flags": 0}
     responses = await exchange(
-        service.stub,
-        [
-            headers_msg(),
-            body_msg(CHAT),
-            attributes_response_msg("200", {"upstream.address": served, "response.flags": 0}),
-        ],
+        service.stub, [headers_msg(), body_msg(CHAT), attributes_response_msg("200", ok)]
     )
     assert responses[-1].WhichOneof("response") == "response_headers"
     assert service.router.index.match(CHAT_HASHES, [served]) == {served: len(CHAT_HASHES)}
-    retried_out = {"upstream.address": served, "response.flags": 1 << 15}
+
+
+UF, UR, UC, URX = 1 << 5, 1 << 4, 1 << 6, 1 << 15
+
+
+@pytest.mark.parametrize(
+    ("flags", "dead"),
+    [
+        (UF | URX, True),  # a refused connection, no retry left (Envoy 1.40: 32800)
+        (UF, True),
+        (UC | URX, True),  # reset on the last of the retries (32832)
+        (UR | URX, True),
+        (URX, False),  # retries used up on a live endpoint's 5xx answers (32768)
+        (UC, False),  # a reset the marker's rule leaves alone too (no URX)
+        (0, False),
+        (float("nan"), False),  # not a flag set: the (absent) marker decides
+    ],
+)
+async def test_envoys_response_flags_take_an_unreachable_endpoint_out(service, flags, dead):
+    """The marker's rule over Envoy's ``response.flags``: it could not connect (UF), or it
+    reset on the last of the retries (UC or UR with URX)."""
+    served = "127.0.0.1:8002"
+    attributes = {"upstream.address": served, "response.flags": flags}
     await exchange(
-        service.stub, [headers_msg(), body_msg(CHAT), attributes_response_msg("503", retried_out)]
+        service.stub, [headers_msg(), body_msg(CHAT), attributes_response_msg("503", attributes)]
     )
-    assert served in service.router.healthy_endpoints()
-    refused = {"upstream.address": served, "response.flags": 32800}
-    await exchange(
-        service.stub, [headers_msg(), body_msg(CHAT), attributes_response_msg("503", refused)]
+    assert (served not in service.router.healthy_endpoints()) == dead
+    assert len(service.router.healthy_endpoints()) == (2 if dead else 3)
+
+
+async def test_envoys_attributes_outrank_headers_a_replica_could_forge(service):
+    """A gateway (Istio, Envoy Gateway) forwards a replica's response headers as they are: a
+    replica naming another as served, with the failure marker, must neither take that one
+    out nor move the index there, when Envoy's attributes say where the response came from."""
+    first = await exchange(service.stub, [headers_msg(), body_msg(CHAT)])
+    chosen = destination(first[1])[0].split(",")[0]
+    answered, victim = sorted(set(ENDPOINTS.split(",")) - {chosen})
+    forged = ep.ProcessingRequest(
+        response_headers=ep.HttpHeaders(
+            headers=base_pb2.HeaderMap(
+                headers=[
+                    base_pb2.HeaderValue(key=k, raw_value=v.encode())
+                    for k, v in [
+                        (":status", "200"),
+                        (HEADER + "-served", victim),
+                        ("x-prefix-router-upstream-failure", "UF"),
+                    ]
+                ]
+            )
+        )
     )
-    assert served not in service.router.healthy_endpoints()
-    assert len(service.router.healthy_endpoints()) == 2
+    forged.attributes["envoy.filters.http.ext_proc"].update(
+        {"upstream.address": answered, "response.flags": 0}
+    )
+    await exchange(service.stub, [headers_msg(), body_msg(CHAT), forged])
+    assert victim in service.router.healthy_endpoints()
+    assert service.router.index.match(CHAT_HASHES, [victim]) == {}
+    assert service.router.index.match(CHAT_HASHES, [answered]) == {answered: len(CHAT_HASHES)}
 
 
 @pytest.mark.parametrize("ends", ["next message", "stream closed"])
