@@ -51,6 +51,7 @@ _EMPTY_RESPONSE_BODY = ext_pb.ProcessingResponse(response_body=ext_pb.BodyRespon
 # Echoed body chunks stay well under gRPC's default 4 MiB message limit on Envoy's side.
 ECHO_CHUNK_BYTES = 1024 * 1024
 SUBSET_NAMESPACE = "envoy.lb.subset_hint"
+SUBSET_KEY = "x-gateway-destination-endpoint-subset"
 # Set by the Envoy configs (envoyconf.py) on Envoy's own reply when the upstream was unreachable.
 UPSTREAM_FAILURE_HEADER = "x-prefix-router-upstream-failure"
 # The same two facts as Envoy's ext_proc response attributes (envoyconf: response_attributes),
@@ -75,9 +76,6 @@ def unreachable_by_flags(flags: int) -> bool:
     return bool(flags & _UPSTREAM_CONNECTION_FAILURE) or bool(
         reset and flags & _UPSTREAM_RETRY_LIMIT_EXCEEDED
     )
-
-
-SUBSET_KEY = "x-gateway-destination-endpoint-subset"
 
 
 @dataclass(slots=True)
