@@ -13,7 +13,7 @@ import yaml
 from extproc import envoyconf
 from extproc.stack import Stack
 
-from .conftest import chat_body, start_routed_stack
+from .conftest import Response, RoutedStack, chat_body, start_routed_stack
 
 pytestmark = [pytest.mark.envoy]
 FAST = ["--prefill-ms-per-token", "0.0001", "--decode-ms-per-token", "0.1"]
@@ -66,35 +66,44 @@ def test_original_dst_router_stops_picking_a_dead_replica(body_mode):
             assert response.replica != home.replica
 
 
+def _first_turn_after_its_home_died(
+    stack: Stack, mode: str
+) -> tuple[RoutedStack, str, list[str], Response]:
+    """Three replicas, the router's probes too slow to matter (30 s), no retries: a
+    conversation's home dies after its first turn. Returns the stack, the home's name, the
+    conversation and the answer to its next turn (lost: no retry configured)."""
+    members = stack.start_replicas(3, FAST)
+    routed = start_routed_stack(
+        stack, mode, "buffered", members, ["--set", "health.interval_seconds=30"], retries=0
+    )
+    history = ["Tell me about the dead replica. " * 30]
+    home = routed.send(chat_body(*history))
+    assert home.status == 200
+    stack.stop(next(p for p in stack.processes if p.name == home.replica))
+    history += ["An answer.", "first question after the death"]
+    first = routed.send(chat_body(*history))
+    assert first.status == 503
+    return routed, home.replica, history, first
+
+
+def _served_elsewhere(routed: RoutedStack, home: str, history: list[str]) -> list[Response]:
+    responses = []
+    for turn in range(5):
+        history += ["An answer.", f"next question {turn}"]
+        responses.append(routed.send(chat_body(*history)))
+        assert responses[-1].status == 200, responses[-1].body[:300]
+        assert responses[-1].replica != home
+    return responses
+
+
 def test_original_dst_stops_picking_a_dead_replica_after_envoys_first_failure():
-    """Probes too slow to matter (30 s) and no retries: Envoy's local reply for the
-    unreachable upstream carries its response flags, and the router takes the endpoint out
-    at once. (With retries, the default, that request is retried elsewhere instead.)"""
+    """Envoy's local reply for the unreachable upstream carries its response flags, and the
+    router takes the endpoint out at once. (With retries, the default, that request is
+    retried elsewhere instead.)"""
     with Stack() as stack:
-        members = stack.start_replicas(3, FAST)
-        routed = start_routed_stack(
-            stack,
-            "original-dst",
-            "buffered",
-            members,
-            ["--set", "health.interval_seconds=30"],
-            retries=0,
-        )
-        history = ["Tell me about the dead replica. " * 30]
-        home = routed.send(chat_body(*history))
-        assert home.status == 200
-        dead = next(p for p in stack.processes if p.name == home.replica)
-        stack.stop(dead)
-        history += ["An answer.", "first question after the death"]
-        first = routed.send(chat_body(*history))
-        # No retry configured: this one is lost, and says why.
-        assert first.status == 503
-        assert "UF" in first.headers["x-prefix-router-upstream-failure"]
-        for turn in range(5):
-            history += ["An answer.", f"next question {turn}"]
-            response = routed.send(chat_body(*history))
-            assert response.status == 200, response.body[:300]
-            assert response.replica != home.replica
+        routed, home, history, first = _first_turn_after_its_home_died(stack, "original-dst")
+        assert "UF" in first.headers["x-prefix-router-upstream-failure"]  # says why
+        _served_elsewhere(routed, home, history)
 
 
 @pytest.mark.parametrize("mode", ["override-host", "original-dst"])
@@ -151,27 +160,7 @@ def test_under_istio_a_dead_replica_is_out_after_envoys_first_failure(monkeypatc
     render = envoyconf.render
     monkeypatch.setattr(envoyconf, "render", lambda options: _as_istio_gateway(render(options)))
     with Stack() as stack:
-        members = stack.start_replicas(3, FAST)
-        routed = start_routed_stack(
-            stack,
-            "override-host",
-            "buffered",
-            members,
-            ["--set", "health.interval_seconds=30"],
-            retries=0,
-        )
-        history = ["Tell me about the dead replica. " * 30]
-        home = routed.send(chat_body(*history))
-        assert home.status == 200
-        assert "x-gateway-destination-endpoint-served" not in home.headers  # Istio's shape
-        dead = next(p for p in stack.processes if p.name == home.replica)
-        stack.stop(dead)
-        history += ["An answer.", "first question after the death"]
-        first = routed.send(chat_body(*history))
-        assert first.status == 503  # no retry configured: this one is lost
-        assert "x-prefix-router-upstream-failure" not in first.headers
-        for turn in range(5):
-            history += ["An answer.", f"next question {turn}"]
-            response = routed.send(chat_body(*history))
-            assert response.status == 200, response.body[:300]
-            assert response.replica != home.replica
+        routed, home, history, first = _first_turn_after_its_home_died(stack, "override-host")
+        assert "x-prefix-router-upstream-failure" not in first.headers  # Istio's shape
+        served = _served_elsewhere(routed, home, history)
+        assert not any("x-gateway-destination-endpoint-served" in r.headers for r in served)
