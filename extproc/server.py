@@ -475,14 +475,8 @@ def _response_attributes(request: ext_pb.ProcessingRequest) -> dict[str, Any]:
     if not request.attributes:
         return {}
     attributes = request.attributes.get(EXT_PROC_FILTER)
-    if attributes is None:
-        return {}
-    return {name: _struct_value(value) for name, value in attributes.fields.items()}
-
-
-def _struct_value(value: Any) -> Any:
-    kind = value.WhichOneof("kind")
-    return getattr(value, kind) if kind in {"string_value", "number_value", "bool_value"} else None
+    # (protobuf's Struct gives Python values; the callers check their types)
+    return {} if attributes is None else dict(attributes.items())
 
 
 def _echo(data: bytes, end_of_stream: bool) -> ext_pb.ProcessingResponse:
