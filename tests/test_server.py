@@ -315,13 +315,17 @@ async def test_served_report_corrects_the_index(service):
     }
 
 
-def attributes_response_msg(status: str, attributes: dict[str, Any]):
-    """Response headers without the served-endpoint header, with Envoy's ext_proc response
-    attributes (an Istio or Envoy Gateway config: response_attributes)."""
+def attributes_response_msg(
+    status: str, attributes: dict[str, Any], extra: tuple[tuple[str, str], ...] = ()
+):
+    """Response headers (``:status`` and ``extra``: no served-endpoint header unless given
+    there), with Envoy's ext_proc response attributes (an Istio or Envoy Gateway config:
+    response_attributes)."""
+    pairs = [(":status", status), *extra]
     msg = ep.ProcessingRequest(
         response_headers=ep.HttpHeaders(
             headers=base_pb2.HeaderMap(
-                headers=[base_pb2.HeaderValue(key=":status", raw_value=status.encode())]
+                headers=[base_pb2.HeaderValue(key=k, raw_value=v.encode()) for k, v in pairs]
             )
         )
     )
@@ -376,22 +380,10 @@ async def test_envoys_attributes_outrank_headers_a_replica_could_forge(service):
     first = await exchange(service.stub, [headers_msg(), body_msg(CHAT)])
     chosen = destination(first[1])[0].split(",")[0]
     answered, victim = sorted(set(ENDPOINTS.split(",")) - {chosen})
-    forged = ep.ProcessingRequest(
-        response_headers=ep.HttpHeaders(
-            headers=base_pb2.HeaderMap(
-                headers=[
-                    base_pb2.HeaderValue(key=k, raw_value=v.encode())
-                    for k, v in [
-                        (":status", "200"),
-                        (HEADER + "-served", victim),
-                        ("x-prefix-router-upstream-failure", "UF"),
-                    ]
-                ]
-            )
-        )
-    )
-    forged.attributes["envoy.filters.http.ext_proc"].update(
-        {"upstream.address": answered, "response.flags": 0}
+    forged = attributes_response_msg(
+        "200",
+        {"upstream.address": answered, "response.flags": 0},
+        extra=((HEADER + "-served", victim), ("x-prefix-router-upstream-failure", "UF")),
     )
     await exchange(service.stub, [headers_msg(), body_msg(CHAT), forged])
     assert victim in service.router.healthy_endpoints()
