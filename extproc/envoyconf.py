@@ -511,7 +511,12 @@ def _ext_proc_filter(options: EnvoyOptions) -> dict[str, Any]:
                 # marker below tell the same; a gateway's Envoy config (Istio, Envoy Gateway)
                 # that adds neither needs only this filter's settings (deploy/), and there a
                 # replica could forge the headers: the router reads these first (server.py).
-                "response_attributes": ["upstream.address", "response.flags"],
+                # The attempt count tells that a retry saved a request the pick failed.
+                "response_attributes": [
+                    "upstream.address",
+                    "response.flags",
+                    "upstream.request_attempt_count",
+                ],
                 # Pass-through requests (not an LLM call) answer the headers with
                 # mode_override {request_body_mode: NONE} so Envoy skips sending the body.
                 "allow_mode_override": True,

@@ -282,7 +282,12 @@ class RouterService:
             ]
         )
         service = ExternalProcessorService(
-            self.router, self.config.server, self.observe, self.tracer, self._heartbeat
+            self.router,
+            self.config.server,
+            self.observe,
+            self.tracer,
+            self._heartbeat,
+            probes=self.config.health.enabled,
         )
         self.service = service
         ext_grpc.add_ExternalProcessorServicer_to_server(service, self.server)

@@ -61,9 +61,15 @@ UPSTREAM_FAILURE_HEADER = "x-prefix-router-upstream-failure"
 # endpoint is dead where the marker's rule says so: Envoy could not connect (UF), or it reset
 # the connection (UC, UR) on the last of the retries (URX). Not URX alone: retries used up
 # on a live endpoint's 5xx answers, which Envoy forwards.
+# A third, the number of attempts (Envoy 1.33 on), tells what neither says: a request that
+# a retry saved was served elsewhere, and its first attempt went to the router's pick
+# (Envoy's retries go to other hosts: previous_hosts), which failed it. Only our configs'
+# retriable failures retry (connect-failure, refused-stream, reset, a 503; Istio's default
+# retries the same kinds), so that pick is taken out too, until its next passing probe.
 EXT_PROC_FILTER = "envoy.filters.http.ext_proc"
 SERVED_ATTRIBUTE = "upstream.address"
 FLAGS_ATTRIBUTE = "response.flags"
+ATTEMPTS_ATTRIBUTE = "upstream.request_attempt_count"
 _UPSTREAM_REMOTE_RESET = 1 << 4  # UR
 _UPSTREAM_CONNECTION_FAILURE = 1 << 5  # UF
 _UPSTREAM_CONNECTION_TERMINATION = 1 << 6  # UC
@@ -179,11 +185,16 @@ class ExternalProcessorService(ext_grpc.ExternalProcessorServicer):
         observer: Callable[[Outcome], None] | None = None,
         tracer: DecisionTracer | None = None,
         progress: Callable[[], None] | None = None,
+        probes: bool = True,
     ) -> None:
         """``progress`` is called after every message handled: the worker's heartbeat
-        (serve.py), so that a loop busy with long requests is not taken for hung."""
+        (serve.py), so that a loop busy with long requests is not taken for hung.
+        ``probes``: the router probes its endpoints (health.enabled). Only then does what
+        Envoy reports of a failed attempt take an endpoint out: a passing probe brings it
+        back, and without probes nothing would."""
         self.router = router
         self.config = config
+        self._takes_out = probes
         self.observer = observer
         self._progress = progress or (lambda: None)
         self.tracer = tracer or DecisionTracer(None)
@@ -462,11 +473,18 @@ class ExternalProcessorService(ext_grpc.ExternalProcessorServicer):
             unreachable = unreachable_by_flags(int(flags))
         else:
             unreachable = bool(headers.get(UPSTREAM_FAILURE_HEADER))
-        if served and unreachable:
+        if not self._takes_out or not served:
+            return
+        if unreachable:
             # Envoy could not reach the endpoint (its local reply carries the response flags):
             # stop picking it now rather than at the next failed probe; a passing probe
             # brings it back.
             self.router.set_health(served, False)
+        if decision is not None and decision.endpoint and served != decision.endpoint:
+            attempts = attributes.get(ATTEMPTS_ATTRIBUTE)
+            if isinstance(attempts, float) and math.isfinite(attempts) and attempts > 1:
+                # A retry saved it: the pick failed the first attempt (see above).
+                self.router.set_health(decision.endpoint, False)
 
 
 def _response_attributes(request: ext_pb.ProcessingRequest) -> dict[str, Any]:

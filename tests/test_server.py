@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 from typing import Any
 
@@ -64,14 +65,15 @@ CHAT = orjson.dumps({"model": "m", "messages": [{"role": "user", "content": "hel
 CHAT_HASHES = block_hashes(parse_request("chat", CHAT).prompt, root_hash("m"), 64, 1024)
 
 
-@pytest.fixture
-async def service():
+@contextlib.asynccontextmanager
+async def started_service(**overrides: object):
     cfg = load_config(
         overrides={
             "server.listen": "127.0.0.1:0",
             "server.admin_listen": "127.0.0.1:0",
             "endpoints": ENDPOINTS,
             "health.enabled": False,
+            **overrides,
         },
         environ={},
     )
@@ -80,9 +82,28 @@ async def service():
     channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
     svc.stub = epg.ExternalProcessorStub(channel)
     svc.channel = channel
-    yield svc
-    await channel.close()
-    await svc.stop(0)
+    try:
+        yield svc
+    finally:
+        await channel.close()
+        await svc.stop(0)
+
+
+@pytest.fixture
+async def service():
+    async with started_service() as svc:
+        yield svc
+
+
+@pytest.fixture
+async def probed_service():
+    """With the router's probes on (once an hour, and two failures needed: none of these
+    endpoints answers, none is taken out by them): only then does what Envoy reports of a
+    failed attempt take an endpoint out, as a passing probe brings it back."""
+    async with started_service(
+        **{"health.enabled": True, "health.interval_seconds": 3600.0}
+    ) as svc:
+        yield svc
 
 
 async def exchange(stub, messages):
@@ -361,9 +382,10 @@ UF, UR, UC, URX = 1 << 5, 1 << 4, 1 << 6, 1 << 15
         (float("nan"), False),  # not a flag set: the (absent) marker decides
     ],
 )
-async def test_envoys_response_flags_take_an_unreachable_endpoint_out(service, flags, dead):
+async def test_envoys_response_flags_take_an_unreachable_endpoint_out(probed_service, flags, dead):
     """The marker's rule over Envoy's ``response.flags``: it could not connect (UF), or it
     reset on the last of the retries (UC or UR with URX)."""
+    service = probed_service
     served = "127.0.0.1:8002"
     attributes = {"upstream.address": served, "response.flags": flags}
     await exchange(
@@ -373,10 +395,60 @@ async def test_envoys_response_flags_take_an_unreachable_endpoint_out(service, f
     assert len(service.router.healthy_endpoints()) == (2 if dead else 3)
 
 
-async def test_envoys_attributes_outrank_headers_a_replica_could_forge(service):
+@pytest.mark.parametrize(
+    ("attempts", "answered_by_pick", "out"),
+    [
+        (2.0, False, True),  # a retry elsewhere saved it: the pick failed the first attempt
+        (3.0, False, True),
+        (2.0, True, False),  # the pick answered in the end
+        (1.0, False, False),  # one attempt, elsewhere: Envoy's own choice, not a failure
+        (None, False, False),  # no attempt count (an Envoy before 1.33, a GAIE gateway)
+        (float("nan"), False, False),
+        ("2", False, False),
+    ],
+)
+async def test_a_pick_a_retry_saved_the_request_from_is_taken_out(
+    probed_service, attempts, answered_by_pick, out
+):
+    """Envoy's ``upstream.request_attempt_count`` above 1 with another endpoint answering:
+    the router's pick failed the first attempt, and it is not picked again until a probe
+    passes."""
+    service = probed_service
+    first = await exchange(service.stub, [headers_msg(), body_msg(CHAT)])
+    pick = destination(first[1])[0].split(",")[0]
+    answered = pick if answered_by_pick else sorted(set(ENDPOINTS.split(",")) - {pick})[0]
+    attributes: dict[str, Any] = {"upstream.address": answered, "response.flags": 0}
+    if attempts is not None:
+        attributes["upstream.request_attempt_count"] = attempts
+    await exchange(
+        service.stub, [headers_msg(), body_msg(CHAT), attributes_response_msg("200", attributes)]
+    )
+    assert (pick not in service.router.healthy_endpoints()) == out
+    assert answered in service.router.healthy_endpoints()
+
+
+async def test_without_probes_envoys_reports_take_no_endpoint_out(service):
+    """health.enabled false: no probe would bring an endpoint back, so neither a refused
+    connection nor a pick a retry saved the request from takes one out (Envoy's own health
+    checking, if any, is what then keeps a dead one away)."""
+    first = await exchange(service.stub, [headers_msg(), body_msg(CHAT)])
+    pick = destination(first[1])[0].split(",")[0]
+    answered = sorted(set(ENDPOINTS.split(",")) - {pick})[0]
+    saved = {"upstream.address": answered, "upstream.request_attempt_count": 2.0}
+    refused = {"upstream.address": answered, "response.flags": float(UF | URX)}
+    for attributes, status in ((saved, "200"), (refused, "503")):
+        await exchange(
+            service.stub,
+            [headers_msg(), body_msg(CHAT), attributes_response_msg(status, attributes)],
+        )
+    assert sorted(service.router.healthy_endpoints()) == sorted(ENDPOINTS.split(","))
+
+
+async def test_envoys_attributes_outrank_headers_a_replica_could_forge(probed_service):
     """A gateway (Istio, Envoy Gateway) forwards a replica's response headers as they are: a
     replica naming another as served, with the failure marker, must neither take that one
     out nor move the index there, when Envoy's attributes say where the response came from."""
+    service = probed_service
     first = await exchange(service.stub, [headers_msg(), body_msg(CHAT)])
     chosen = destination(first[1])[0].split(",")[0]
     answered, victim = sorted(set(ENDPOINTS.split(",")) - {chosen})

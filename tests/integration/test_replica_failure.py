@@ -14,6 +14,7 @@ from extproc import envoyconf
 from extproc.stack import Stack
 
 from .conftest import Response, RoutedStack, chat_body, start_routed_stack
+from .test_observability import samples
 
 pytestmark = [pytest.mark.envoy]
 FAST = ["--prefill-ms-per-token", "0.0001", "--decode-ms-per-token", "0.1"]
@@ -164,3 +165,52 @@ def test_under_istio_a_dead_replica_is_out_after_envoys_first_failure(monkeypatc
         assert "x-prefix-router-upstream-failure" not in first.headers  # Istio's shape
         served = _served_elsewhere(routed, home, history)
         assert not any("x-gateway-destination-endpoint-served" in r.headers for r in served)
+
+
+def _decisions_by_endpoint(admin_port: int, requests: int) -> dict[str, float]:
+    """Decisions per endpoint once the router has recorded ``requests`` of them (a decision
+    is counted when Envoy closes the request's processing stream, after the client's
+    answer)."""
+    deadline = time.monotonic() + 10
+    while True:
+        metrics = samples(admin_port)
+        by_endpoint: dict[str, float] = {}
+        for (name, labels), value in metrics.items():
+            if name == "prefix_router_endpoint_decisions_total":
+                endpoint = dict(labels)["endpoint"]
+                by_endpoint[endpoint] = by_endpoint.get(endpoint, 0.0) + value
+        if sum(by_endpoint.values()) >= requests or time.monotonic() > deadline:
+            assert sum(by_endpoint.values()) == requests, by_endpoint
+            return by_endpoint
+        time.sleep(0.05)
+
+
+@pytest.mark.parametrize("gateway", ["generated", "istio"])
+def test_a_pick_a_retry_saved_from_is_out_after_its_first_failure(monkeypatch, gateway):
+    """Retries on (the generated configs' default; Istio's default retries the same
+    failures): the first turn after a conversation's home died is retried on another replica
+    and served. Envoy's attempt count (2) and the endpoint that answered tell the router its
+    pick failed that attempt, and it stops picking it at once (probes every 30 s). Before,
+    every later turn went to the dead home first and was saved by a retry, unseen."""
+    if gateway == "istio":
+        render = envoyconf.render
+        monkeypatch.setattr(envoyconf, "render", lambda o: _as_istio_gateway(render(o)))
+    with Stack() as stack:
+        members = stack.start_replicas(3, FAST)
+        routed = start_routed_stack(
+            stack, "override-host", "buffered", members, ["--set", "health.interval_seconds=30"]
+        )
+        admin = stack.router_admin_ports["router"]
+        history = ["Tell me about the retried replica. " * 30]
+        home = routed.send(chat_body(*history))
+        assert home.status == 200
+        home_address = next(a for a, n in routed.names.items() if n == home.replica)
+        stack.stop(next(p for p in stack.processes if p.name == home.replica))
+        history += ["An answer.", "first question after the death"]
+        first = routed.send(chat_body(*history))
+        assert first.status == 200 and first.replica != home.replica  # a retry saved it
+        before = _decisions_by_endpoint(admin, 2)
+        assert before[home_address] == 2  # the router picked the dead home for it
+        _served_elsewhere(routed, home.replica, history)
+        after = _decisions_by_endpoint(admin, 7)
+        assert after[home_address] == 2, after  # never picked again
