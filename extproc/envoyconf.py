@@ -235,6 +235,23 @@ def _http2_protocol_options(max_concurrent_streams: int | None = None) -> dict[s
     }
 
 
+# Idle upstream connections close after this (Envoy's default is an hour). The model servers'
+# HTTP servers close theirs sooner (uvicorn, under vLLM and SGLang: 5 s), and a request sent
+# on a connection as the server closes it is reset: retried, and reported to the router as a
+# failed attempt (server.py), which takes a live replica out until its next probe.
+UPSTREAM_IDLE_TIMEOUT = 4.0
+
+
+def _model_server_protocol_options() -> dict[str, Any]:
+    return {
+        "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": _typed(
+            "envoy.extensions.upstreams.http.v3.HttpProtocolOptions",
+            common_http_protocol_options={"idle_timeout": _duration(UPSTREAM_IDLE_TIMEOUT)},
+            explicit_http_config={"http_protocol_options": {}},
+        )
+    }
+
+
 def _circuit_breakers(limit: int, retries: int) -> dict[str, Any]:
     # Envoy's defaults (1024 requests, 3 concurrent retries) are far below what a gateway in
     # front of LLM servers holds open: every streaming request is an open request for minutes.
@@ -290,6 +307,7 @@ def _replicas_cluster(
         "name": REPLICAS_CLUSTER,
         "type": "STATIC",
         "connect_timeout": _duration(options.connect_timeout),
+        "typed_extension_protocol_options": _model_server_protocol_options(),
         "load_assignment": {
             "cluster_name": REPLICAS_CLUSTER,
             "endpoints": [
@@ -362,6 +380,7 @@ def _original_dst_cluster(options: EnvoyOptions) -> dict[str, Any]:
         "type": "ORIGINAL_DST",
         "lb_policy": "CLUSTER_PROVIDED",
         "connect_timeout": _duration(options.connect_timeout),
+        "typed_extension_protocol_options": _model_server_protocol_options(),
         "original_dst_lb_config": {
             "use_http_header": True,
             "http_header_name": options.header_name,
@@ -511,7 +530,7 @@ def _ext_proc_filter(options: EnvoyOptions) -> dict[str, Any]:
                 # marker below tell the same; a gateway's Envoy config (Istio, Envoy Gateway)
                 # that adds neither needs only this filter's settings (deploy/), and there a
                 # replica could forge the headers: the router reads these first (server.py).
-                # The attempt count tells that a retry saved a request the pick failed.
+                # The attempt count tells which endpoints failed an attempt a retry saved.
                 "response_attributes": [
                     "upstream.address",
                     "response.flags",

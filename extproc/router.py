@@ -155,6 +155,8 @@ class Router:
         self._returning = np.zeros(0, dtype=bool)
         # Members not to be picked (EndpointConfig.ready false: a not-ready pod).
         self._held = np.zeros(0, dtype=bool)
+        # Clock time of each endpoint's last passing probe (-inf: none yet).
+        self._probe_passed_at = np.zeros(0)
         # Estimated prefill work queued (token-equivalents) as of ``_work_at`` (clock time).
         self._work = np.zeros(0)
         self._work_at = np.zeros(0)
@@ -262,6 +264,7 @@ class Router:
         self._healthy = carried(self._healthy, True, bool)
         self._tells_restarts = carried(self._tells_restarts, False, bool)
         self._returning = carried(self._returning, False, bool)
+        self._probe_passed_at = carried(self._probe_passed_at, -np.inf, np.float64)
         was_held = carried(self._held, False, bool)
         self._held = np.array([not e.ready for e in endpoints], dtype=bool)
         self._work = carried(self._work, 0.0, np.float64)
@@ -633,6 +636,8 @@ class Router:
         i = self._position.get(address)
         if i is None:
             return False
+        if healthy:
+            self._probe_passed_at[i] = self.clock()
         if not healthy and self._returning[i]:
             # Failed again before its metrics were read: out, as it was (a reading that
             # came now must not return it).
@@ -656,6 +661,13 @@ class Router:
             "; its index is kept (its metrics tell a restart)" if kept else "",
         )
         return False
+
+    def probe_passed_since(self, address: str, when: float) -> bool:
+        """Whether a probe of the endpoint passed after ``when`` (router clock): a failure
+        Envoy reports late (a retried request's answer comes after its whole generation)
+        is then over."""
+        i = self._position.get(address)
+        return i is not None and bool(self._probe_passed_at[i] > when)
 
     def _returned(self, i: int, read: bool) -> None:
         """A returning endpoint's metrics reading came (``read``; any restart it showed was

@@ -61,11 +61,14 @@ UPSTREAM_FAILURE_HEADER = "x-prefix-router-upstream-failure"
 # endpoint is dead where the marker's rule says so: Envoy could not connect (UF), or it reset
 # the connection (UC, UR) on the last of the retries (URX). Not URX alone: retries used up
 # on a live endpoint's 5xx answers, which Envoy forwards.
-# A third, the number of attempts (Envoy 1.33 on), tells what neither says: a request that
-# a retry saved was served elsewhere, and its first attempt went to the router's pick
-# (Envoy's retries go to other hosts: previous_hosts), which failed it. Only our configs'
-# retriable failures retry (connect-failure, refused-stream, reset, a 503; Istio's default
-# retries the same kinds), so that pick is taken out too, until its next passing probe.
+# A third, the number of attempts (Envoy 1.33 on), tells what neither says: which endpoints
+# failed an attempt of a request a retry saved. Envoy tries the router's list in order, one
+# entry per attempt (override-host), so the one that answered attempt n is the list's n-th
+# and the entries before it failed; under original-dst attempt 1 went to the pick itself.
+# Retries are for failures where the server did not answer (our configs: connect-failure,
+# refused-stream, reset, a 503; Istio's default: connect-failure, refused-stream,
+# unavailable, cancelled, a 503), so those endpoints are out until their next passing probe,
+# unless one passed since the decision (a long answer reports a failure long past).
 EXT_PROC_FILTER = "envoy.filters.http.ext_proc"
 SERVED_ATTRIBUTE = "upstream.address"
 FLAGS_ATTRIBUTE = "response.flags"
@@ -110,6 +113,7 @@ class _Exchange:
     routable_api: str | None = None
     passing_through: bool = False
     decided: bool = False
+    decided_at: float = 0.0  # router clock
     chunks: list[bytes] = field(default_factory=list)
     size: int = 0
     held: int = 0  # full duplex: bytes of chunks counted against max_held_body_bytes
@@ -273,6 +277,7 @@ class ExternalProcessorService(ext_grpc.ExternalProcessorServicer):
             outcome.kind, outcome.detail = "pass_through", "endpoints_unknown"
             return ()
         outcome.decision = decision
+        ex.decided_at = self.router.clock()
         if no_endpoint:
             outcome.kind = "no_endpoint"
             return immediate_response(503, "no ready endpoint for this request")
@@ -480,11 +485,29 @@ class ExternalProcessorService(ext_grpc.ExternalProcessorServicer):
             # stop picking it now rather than at the next failed probe; a passing probe
             # brings it back.
             self.router.set_health(served, False)
-        if decision is not None and decision.endpoint and served != decision.endpoint:
-            attempts = attributes.get(ATTEMPTS_ATTRIBUTE)
-            if isinstance(attempts, float) and math.isfinite(attempts) and attempts > 1:
-                # A retry saved it: the pick failed the first attempt (see above).
-                self.router.set_health(decision.endpoint, False)
+        if decision is not None:
+            for address in self._failed_attempts(decision, served, attributes):
+                if not self.router.probe_passed_since(address, ex.decided_at):
+                    self.router.set_health(address, False)
+
+    def _failed_attempts(
+        self, decision: Decision, served: str, attributes: dict[str, Any]
+    ) -> list[str]:
+        """The endpoints that failed an attempt before ``served`` answered (see above); none
+        where the attempts cannot be matched to the list (an entry Envoy skipped, a list used
+        up: attempts went on by round robin)."""
+        attempts = attributes.get(ATTEMPTS_ATTRIBUTE)
+        if not (isinstance(attempts, float) and math.isfinite(attempts) and attempts > 1):
+            return []
+        if decision.endpoint is None or served == decision.endpoint:
+            return []
+        if self.config.single_destination:
+            return [decision.endpoint]  # original-dst: attempt 1 is exactly the pick
+        tried = [decision.endpoint, *decision.fallbacks]
+        n = int(attempts)
+        if n <= len(tried) and tried[n - 1] == served:
+            return tried[: n - 1]
+        return []
 
 
 def _response_attributes(request: ext_pb.ProcessingRequest) -> dict[str, Any]:

@@ -395,36 +395,90 @@ async def test_envoys_response_flags_take_an_unreachable_endpoint_out(probed_ser
     assert len(service.router.healthy_endpoints()) == (2 if dead else 3)
 
 
+async def _decided_list(service) -> list[str]:
+    """The endpoints the router sends for CHAT (pick first, then fallbacks), as it sends
+    them again for the same request."""
+    first = await exchange(service.stub, [headers_msg(), body_msg(CHAT)])
+    return destination(first[1])[0].split(",")
+
+
 @pytest.mark.parametrize(
-    ("attempts", "answered_by_pick", "out"),
+    ("attempts", "answered", "out"),
     [
-        (2.0, False, True),  # a retry elsewhere saved it: the pick failed the first attempt
-        (3.0, False, True),
-        (2.0, True, False),  # the pick answered in the end
-        (1.0, False, False),  # one attempt, elsewhere: Envoy's own choice, not a failure
-        (None, False, False),  # no attempt count (an Envoy before 1.33, a GAIE gateway)
-        (float("nan"), False, False),
-        ("2", False, False),
+        (2.0, 1, [0]),  # the first fallback answered attempt 2: the pick failed attempt 1
+        (3.0, 2, [0, 1]),  # the second answered attempt 3: the pick and the first failed
+        (2.0, 0, []),  # the pick answered in the end
+        (2.0, 2, []),  # attempt 2 not the list's second: Envoy skipped an entry, no telling
+        (1.0, 1, []),  # one attempt, elsewhere: Envoy's own choice, not a failure
+        (None, 1, []),  # no attempt count (an Envoy before 1.33, a GAIE gateway)
+        (float("nan"), 1, []),
+        ("2", 1, []),
     ],
 )
-async def test_a_pick_a_retry_saved_the_request_from_is_taken_out(
-    probed_service, attempts, answered_by_pick, out
+async def test_endpoints_that_failed_an_attempt_a_retry_saved_are_taken_out(
+    probed_service, attempts, answered, out
 ):
-    """Envoy's ``upstream.request_attempt_count`` above 1 with another endpoint answering:
-    the router's pick failed the first attempt, and it is not picked again until a probe
-    passes."""
+    """Envoy's ``upstream.request_attempt_count`` n above 1 with the list's n-th entry
+    answering: the entries before it failed an attempt each, and they are not picked again
+    until a probe passes."""
     service = probed_service
-    first = await exchange(service.stub, [headers_msg(), body_msg(CHAT)])
-    pick = destination(first[1])[0].split(",")[0]
-    answered = pick if answered_by_pick else sorted(set(ENDPOINTS.split(",")) - {pick})[0]
-    attributes: dict[str, Any] = {"upstream.address": answered, "response.flags": 0}
+    tried = await _decided_list(service)
+    assert len(tried) == 3
+    attributes: dict[str, Any] = {"upstream.address": tried[answered], "response.flags": 0}
     if attempts is not None:
         attributes["upstream.request_attempt_count"] = attempts
-    await exchange(
+    responses = await exchange(
         service.stub, [headers_msg(), body_msg(CHAT), attributes_response_msg("200", attributes)]
     )
-    assert (pick not in service.router.healthy_endpoints()) == out
-    assert answered in service.router.healthy_endpoints()
+    assert destination(responses[1])[0].split(",") == tried  # the same list again
+    healthy = service.router.healthy_endpoints()
+    assert sorted(i for i, address in enumerate(tried) if address not in healthy) == out
+
+
+async def test_under_original_dst_the_pick_a_retry_saved_the_request_from_is_out():
+    """original-dst (single destination): attempt 1 goes to the pick itself, retries by
+    round robin, so any other endpoint answering a later attempt says the pick failed."""
+    async with started_service(
+        **{
+            "health.enabled": True,
+            "health.interval_seconds": 3600.0,
+            "server.single_destination": True,
+        }
+    ) as service:
+        (pick,) = await _decided_list(service)
+        elsewhere = sorted(set(ENDPOINTS.split(",")) - {pick})[-1]
+        attributes = {"upstream.address": elsewhere, "upstream.request_attempt_count": 2.0}
+        await exchange(
+            service.stub,
+            [headers_msg(), body_msg(CHAT), attributes_response_msg("200", attributes)],
+        )
+        assert sorted(service.router.healthy_endpoints()) == sorted(
+            set(ENDPOINTS.split(",")) - {pick}
+        )
+
+
+async def test_a_failed_attempt_reported_after_a_passing_probe_takes_nothing_out(
+    probed_service,
+):
+    """A non-streamed answer's headers come after its whole generation: a failure of its
+    first attempt reported then is past when a probe of the pick has passed since the
+    decision."""
+    service = probed_service
+    tried = await _decided_list(service)
+    saved = attributes_response_msg(
+        "200", {"upstream.address": tried[1], "upstream.request_attempt_count": 2.0}
+    )
+
+    async def messages():
+        yield headers_msg()
+        yield body_msg(CHAT)
+        await asyncio.sleep(0.05)
+        service.router.set_health(tried[0], True)  # its probe passes meanwhile
+        yield saved
+
+    responses = [r async for r in service.stub.Process(messages())]
+    assert destination(responses[1])[0].split(",") == tried
+    assert tried[0] in service.router.healthy_endpoints()
 
 
 async def test_without_probes_envoys_reports_take_no_endpoint_out(service):

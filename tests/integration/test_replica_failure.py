@@ -185,20 +185,24 @@ def _decisions_by_endpoint(admin_port: int, requests: int) -> dict[str, float]:
         time.sleep(0.05)
 
 
-@pytest.mark.parametrize("gateway", ["generated", "istio"])
-def test_a_pick_a_retry_saved_from_is_out_after_its_first_failure(monkeypatch, gateway):
-    """Retries on (the generated configs' default; Istio's default retries the same
-    failures): the first turn after a conversation's home died is retried on another replica
-    and served. Envoy's attempt count (2) and the endpoint that answered tell the router its
-    pick failed that attempt, and it stops picking it at once (probes every 30 s). Before,
-    every later turn went to the dead home first and was saved by a retry, unseen."""
+@pytest.mark.parametrize(
+    ("mode", "gateway"),
+    [("override-host", "generated"), ("original-dst", "generated"), ("override-host", "istio")],
+)
+def test_a_pick_a_retry_saved_from_is_out_after_its_first_failure(monkeypatch, mode, gateway):
+    """Retries on (the generated configs' retry policy, also under the Istio-shaped
+    config; Istio's own default retries a refused connection too): the first turn after a
+    conversation's home died is retried on another replica and served. Envoy's attempt
+    count (2) and the endpoint that answered tell the router its pick failed that attempt,
+    and it stops picking it at once (probes every 30 s). Before, every later turn went to
+    the dead home first, saved by a retry, until the probes found it dead."""
     if gateway == "istio":
         render = envoyconf.render
         monkeypatch.setattr(envoyconf, "render", lambda o: _as_istio_gateway(render(o)))
     with Stack() as stack:
         members = stack.start_replicas(3, FAST)
         routed = start_routed_stack(
-            stack, "override-host", "buffered", members, ["--set", "health.interval_seconds=30"]
+            stack, mode, "buffered", members, ["--set", "health.interval_seconds=30"]
         )
         admin = stack.router_admin_ports["router"]
         history = ["Tell me about the retried replica. " * 30]
