@@ -6,6 +6,7 @@ from pathlib import Path
 
 from extproc.config import Config
 from extproc.configcmd import _fields, reference_markdown
+from extproc.sim import current
 
 ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text()
@@ -19,6 +20,16 @@ def test_config_reference_in_readme_matches_the_code():
     assert match.group(1) == reference_markdown(), (
         "regenerate: prefix-router config --reference, paste between the markers"
     )
+
+
+def test_benchmark_figures_at_the_top_are_the_reference_files():
+    """docs/benchmarks.md opens with figures rendered from the reference runs' JSON: a rerun
+    that changes a file, or a hand edit of the section, fails here until regenerated."""
+    text = (ROOT / "docs" / "benchmarks.md").read_text()
+    regenerated = current.replace_section(text, current.render(ROOT))
+    assert regenerated == text, "regenerate: ./scripts/update-docs"
+    for head in current.HEADLINES:
+        assert (ROOT / "docs" / head.plot).is_file(), head.plot
 
 
 def test_every_config_field_says_what_it_means():
