@@ -484,18 +484,33 @@ class ExternalProcessorService(ext_grpc.ExternalProcessorServicer):
             # Envoy could not reach the endpoint (its local reply carries the response flags):
             # stop picking it now rather than at the next failed probe; a passing probe
             # brings it back.
-            self.router.set_health(served, False)
+            self._take_out(served)
         if decision is not None:
             for address in self._failed_attempts(decision, served, attributes):
                 if not self.router.probe_passed_since(address, ex.decided_at):
-                    self.router.set_health(address, False)
+                    self._take_out(address)
+
+    def _take_out(self, address: str) -> None:
+        """Out until its next passing probe, unless that would leave fewer than half of the
+        endpoints to pick (as Envoy's outlier detection caps its ejections): a burst of
+        failures on every replica, a 503 each, must not empty the pool on one report each;
+        past that, the probes decide."""
+        healthy = self.router.healthy_endpoints()
+        if address in healthy and 2 * (len(healthy) - 1) < len(self.router.endpoints):
+            log.warning(
+                "Envoy reports %s failed; left to its probes (half the endpoints are out)",
+                address,
+            )
+            return
+        self.router.set_health(address, False)
 
     def _failed_attempts(
         self, decision: Decision, served: str, attributes: dict[str, Any]
     ) -> list[str]:
-        """The endpoints that failed an attempt before ``served`` answered (see above); none
-        where the attempts cannot be matched to the list (an entry Envoy skipped, a list used
-        up: attempts went on by round robin)."""
+        """The endpoints that failed an attempt before ``served`` answered (see above; also
+        when ``served`` failed the last attempt too: its flags say so); none where the
+        attempts cannot be matched to the list (an entry Envoy skipped, a list used up:
+        attempts went on by round robin, as with ``routing.fallbacks`` 0)."""
         attempts = attributes.get(ATTEMPTS_ATTRIBUTE)
         if not (isinstance(attempts, float) and math.isfinite(attempts) and attempts > 1):
             return []

@@ -406,7 +406,10 @@ async def _decided_list(service) -> list[str]:
     ("attempts", "answered", "out"),
     [
         (2.0, 1, [0]),  # the first fallback answered attempt 2: the pick failed attempt 1
-        (3.0, 2, [0, 1]),  # the second answered attempt 3: the pick and the first failed
+        # The second answered attempt 3: the pick and the first failed; the first stays,
+        # as taking it out too would leave one of three endpoints (under half).
+        (3.0, 2, [0]),
+        (4.0, 2, []),  # more attempts than the list: they went on by round robin
         (2.0, 0, []),  # the pick answered in the end
         (2.0, 2, []),  # attempt 2 not the list's second: Envoy skipped an entry, no telling
         (1.0, 1, []),  # one attempt, elsewhere: Envoy's own choice, not a failure
@@ -469,14 +472,20 @@ async def test_a_failed_attempt_reported_after_a_passing_probe_takes_nothing_out
         "200", {"upstream.address": tried[1], "upstream.request_attempt_count": 2.0}
     )
 
+    decided = asyncio.Event()
+
     async def messages():
         yield headers_msg()
         yield body_msg(CHAT)
-        await asyncio.sleep(0.05)
+        await decided.wait()
         service.router.set_health(tried[0], True)  # its probe passes meanwhile
         yield saved
 
-    responses = [r async for r in service.stub.Process(messages())]
+    responses = []
+    async for response in service.stub.Process(messages()):
+        responses.append(response)
+        if len(responses) == 2:  # the body's answer: the decision is made
+            decided.set()
     assert destination(responses[1])[0].split(",") == tried
     assert tried[0] in service.router.healthy_endpoints()
 
@@ -485,17 +494,29 @@ async def test_without_probes_envoys_reports_take_no_endpoint_out(service):
     """health.enabled false: no probe would bring an endpoint back, so neither a refused
     connection nor a pick a retry saved the request from takes one out (Envoy's own health
     checking, if any, is what then keeps a dead one away)."""
-    first = await exchange(service.stub, [headers_msg(), body_msg(CHAT)])
-    pick = destination(first[1])[0].split(",")[0]
-    answered = sorted(set(ENDPOINTS.split(",")) - {pick})[0]
-    saved = {"upstream.address": answered, "upstream.request_attempt_count": 2.0}
-    refused = {"upstream.address": answered, "response.flags": float(UF | URX)}
+    tried = await _decided_list(service)
+    saved = {"upstream.address": tried[1], "upstream.request_attempt_count": 2.0}
+    refused = {"upstream.address": tried[1], "response.flags": float(UF | URX)}
     for attributes, status in ((saved, "200"), (refused, "503")):
         await exchange(
             service.stub,
             [headers_msg(), body_msg(CHAT), attributes_response_msg(status, attributes)],
         )
     assert sorted(service.router.healthy_endpoints()) == sorted(ENDPOINTS.split(","))
+
+
+async def test_envoys_reports_take_out_at_most_half_of_the_endpoints(probed_service):
+    """A refused connection reported for every endpoint in turn (a burst of failures on
+    all of them): the first is taken out, the rest left to the probes, so that one report
+    each cannot empty the pool."""
+    service = probed_service
+    for address in sorted(ENDPOINTS.split(",")):
+        refused = {"upstream.address": address, "response.flags": float(UF | URX)}
+        await exchange(
+            service.stub,
+            [headers_msg(), body_msg(CHAT), attributes_response_msg("503", refused)],
+        )
+    assert len(service.router.healthy_endpoints()) == 2
 
 
 async def test_envoys_attributes_outrank_headers_a_replica_could_forge(probed_service):
