@@ -473,8 +473,8 @@ class ExternalProcessorService(ext_grpc.ExternalProcessorServicer):
             ex.event_stream = _is_event_stream(ex.outcome.status, headers)
             if not ex.event_stream:
                 self.router.prefill_done(decision)
-        flags = attributes.get(FLAGS_ATTRIBUTE)
-        if isinstance(flags, float) and math.isfinite(flags) and flags >= 0:
+        flags = _finite(attributes.get(FLAGS_ATTRIBUTE))
+        if flags is not None and flags >= 0:
             unreachable = unreachable_by_flags(int(flags))
         else:
             unreachable = bool(headers.get(UPSTREAM_FAILURE_HEADER))
@@ -511,8 +511,8 @@ class ExternalProcessorService(ext_grpc.ExternalProcessorServicer):
         when ``served`` failed the last attempt too: its flags say so); none where the
         attempts cannot be matched to the list (an entry Envoy skipped, a list used up:
         attempts went on by round robin, as with ``routing.fallbacks`` 0)."""
-        attempts = attributes.get(ATTEMPTS_ATTRIBUTE)
-        if not (isinstance(attempts, float) and math.isfinite(attempts) and attempts > 1):
+        attempts = _finite(attributes.get(ATTEMPTS_ATTRIBUTE))
+        if attempts is None or attempts <= 1:
             return []
         if decision.endpoint is None or served == decision.endpoint:
             return []
@@ -523,6 +523,12 @@ class ExternalProcessorService(ext_grpc.ExternalProcessorServicer):
         if n <= len(tried) and tried[n - 1] == served:
             return tried[: n - 1]
         return []
+
+
+def _finite(value: Any) -> float | None:
+    """A numeric attribute's value (Struct numbers are floats), or None: absent, another
+    type, NaN or infinite."""
+    return value if isinstance(value, float) and math.isfinite(value) else None
 
 
 def _response_attributes(request: ext_pb.ProcessingRequest) -> dict[str, Any]:

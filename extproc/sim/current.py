@@ -73,7 +73,7 @@ def sweep_table(sweep: dict[str, dict[str, float]]) -> str:
     return "\n".join(lines)
 
 
-def _headline(root: Path, head: Headline, cells: dict) -> str:
+def _headline(root: Path, head: Headline, cells: dict, seeds: list[int]) -> str:
     cell = sim_grid.Cell(head.workload, head.replicas, head.capacity_tokens, 1)
     if cell not in cells:
         raise ValueError(f"{TUNING_GRID} has no cell {cell.name}")
@@ -84,7 +84,6 @@ def _headline(root: Path, head: Headline, cells: dict) -> str:
     got = (params["workload"], params["replicas"], params["capacity_tokens"])
     if got != wanted:
         raise ValueError(f"{head.sweep_json} is a run of {got}, not {wanted}")
-    seeds = _load(root, TUNING_GRID)["seeds"]
     return "\n".join(
         [
             f"#### {head.workload}, {head.replicas} replicas × {head.capacity_tokens:,} KV tokens",
@@ -120,7 +119,7 @@ def render(root: Path) -> str:
     """The generated part of the section, between START and END."""
     tuning = _load(root, TUNING_GRID)
     cells = _grid_cells(tuning)
-    parts = [_headline(root, head, cells) for head in HEADLINES]
+    parts = [_headline(root, head, cells, tuning["seeds"]) for head in HEADLINES]
     parts.append(_verdicts("Ours against the best peer: the tuning grid", TUNING_GRID, tuning))
     for label, path in HELD_OUT_GRIDS:
         parts.append(
