@@ -24,7 +24,7 @@ from .sim.engine import SimParams, simulate
 from .sim.grid import CAPACITIES
 from .sim.policies import ALL_POLICIES, BOUNDS, ideal_hit_ratio
 from .sim.replica import DEFAULT_KV_POOL, KV_POOLS, CostModel
-from .sim.report import PEERS_LINE, audit_table, plot, summarize, table
+from .sim.report import PEERS_LINE, audit_table, plot, summarize, sweep_table, table
 from .sim.workloads import PRESETS, Workload, load_mooncake
 
 # Benchmarks in their own modules: name -> (module, help).
@@ -78,14 +78,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     sim.add_argument(
         "--policies", default="all", help=f"comma list or 'all': {','.join(ALL_POLICIES)}"
     )
-    sim.add_argument(
-        "--cost",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="override a cost-model constant (repeatable): "
-        + ", ".join(f.name for f in dataclasses.fields(CostModel)),
-    )
+    _add_cost_argument(sim)
     add_routing_argument(sim)
     sim.add_argument("--json", dest="json_out", help="write results as JSON here")
     sim.add_argument("--plot", help="write a PNG here (matplotlib)")
@@ -167,6 +160,7 @@ def add_grid_arguments(grid: argparse.ArgumentParser) -> None:
         help="run every cell with seeds 0..N-1 (a new draw of each generated workload) and "
         "compare the means",
     )
+    _add_cost_argument(grid)
     add_routing_argument(grid)
     _add_share_queues_argument(grid)
     _add_kv_pool_argument(grid)
@@ -180,6 +174,18 @@ def add_grid_arguments(grid: argparse.ArgumentParser) -> None:
     )
     grid.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="worker processes")
     grid.add_argument("--json", dest="json_out", help="write results as JSON here")
+
+
+def _add_cost_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--cost",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a cost-model constant (repeatable): "
+        + ", ".join(f.name for f in dataclasses.fields(CostModel))
+        + " (prefill_batch_tokens=0: one prefill at a time, the model before Dec 6)",
+    )
 
 
 def _add_kv_pool_argument(parser: argparse.ArgumentParser) -> None:
@@ -302,10 +308,11 @@ def grid_command(args: argparse.Namespace) -> int:
     seeds = tuple(range(args.seeds))
     ks = sorted({1, *_int_list("--router-replicas", args.router_replicas)})
     routing = routing_overrides(args.routing)
+    cost = _cost_model(args.cost)
     names = _policy_names(args.policies)
     peers: dict[sim_grid.Cell, dict[str, dict[str, Any]]] = {}
     if args.peers_from:
-        peers = sim_grid.load_peers(args.peers_from, seeds, args.kv_pool, args.cache_outputs)
+        peers = sim_grid.load_peers(args.peers_from, seeds, args.kv_pool, args.cache_outputs, cost)
         rerun = [] if args.policies.strip() == "all" else [n for n in names if n != sim_grid.OURS]
         names = [sim_grid.OURS, *rerun]
     todo = sim_grid.cells(workloads, replicas, ks)
@@ -325,6 +332,7 @@ def grid_command(args: argparse.Namespace) -> int:
         server_blocks=args.server_blocks,
         cache_outputs=args.cache_outputs,
         kv_events_ms=args.kv_events,
+        cost=cost,
     )
     bar.close()
     for cell, by_policy in peers.items():
@@ -344,6 +352,7 @@ def grid_command(args: argparse.Namespace) -> int:
         + ("; replies cached" if args.cache_outputs else "; prompts only (--no-cache-outputs)")
         + _kv_events_note(args.kv_events)
     )
+    print("cost model: " + ", ".join(f"{k}={v}" for k, v in cost.as_dict().items()))
     print(sim_grid.markdown(rows))
     print(sim_grid.summary_line(rows))
     wall = time.perf_counter() - started
@@ -358,6 +367,7 @@ def grid_command(args: argparse.Namespace) -> int:
             "server_blocks": args.server_blocks,
             "cache_outputs": args.cache_outputs,
             "kv_events_ms": args.kv_events,
+            "cost_model": cost.as_dict(),
             "seeds": list(seeds),
             "summary": sim_grid.summary_line(rows),
             "wall_seconds": round(wall, 2),
@@ -490,9 +500,7 @@ def simulate_command(args: argparse.Namespace) -> int:
     print(table(results))
     if sweep:
         print("\nhit ratio vs router replicas K:")
-        print("policy".ljust(18) + "".join(f"K={k}".rjust(8) for k in ks))
-        for name, by_k in sweep.items():
-            print(name.ljust(18) + "".join(f"{by_k[k]:8.3f}" for k in ks))
+        print(sweep_table(sweep))
     if args.audit:
         print("\n" + audit_table(results))
     print(f"\n{doc['wall_seconds']:.1f} s wall")

@@ -225,6 +225,19 @@ class RoutingConfig(_Strict):
         description="prefill throughput of one endpoint: queued work drains at this rate, "
         "learned from vLLM's counters when learn_prefill_rate (0 = hold it until the request ends)",
     )
+    # Engines batch prefills (vLLM fills a step with up to max_num_batched_tokens: 8,192 on an
+    # H100/H200). Off by default: in the simulator, with steps of 8,192, setting it to 8,192
+    # won the overloaded GAIE 4 x 100k back (0.454 / 8.4 s -> 0.508 / 5.8 s) but lengthened
+    # held-out tails by up to 36 % (GAIE low-cache 8 x 100k 110 -> 150 ms): the queued work
+    # it sees is often one step already running, after which a request pays the fixed cost
+    # anyway (docs/benchmarks.md, "Prefill steps batched as vLLM fills them").
+    prefill_batch_tokens: int = Field(
+        default=0,
+        ge=0,
+        description="the servers' prefill step in tokens (vLLM's max_num_batched_tokens): a "
+        "request sent where prefill work is queued, whose uncached tokens fit in it, is "
+        "charged without prefill_base_tokens, as it joins a step that pays them anyway; 0: off",
+    )
     learn_prefill_rate: bool = Field(
         default=True,
         description="learn prefill_tokens_per_second from the endpoints' prefill counters "

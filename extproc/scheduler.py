@@ -199,6 +199,10 @@ class CostModel:
     long_prefix_stickiness: float = 16.0
     # Stickiness added per request's worth of prefill queued everywhere (see backlog_premium).
     backlog_stickiness: float = 0.0
+    # Engines batch the prefills queued together (vLLM fills a step with up to
+    # max_num_batched_tokens): a request sent where prefill work is queued, whose uncached
+    # tokens fit in a step, adds them to one, not a step's fixed cost (0: every request pays it).
+    batch_tokens: float = 0.0
 
     @classmethod
     def from_config(cls, config: RoutingConfig) -> CostModel:
@@ -213,6 +217,7 @@ class CostModel:
             long_prefix_tokens=config.long_prefix_tokens,
             long_prefix_stickiness=config.long_prefix_stickiness,
             backlog_stickiness=config.backlog_stickiness,
+            batch_tokens=config.prefill_batch_tokens,
         )
 
     def for_held(self, held_tokens: float) -> CostModel:
@@ -228,10 +233,17 @@ class CostModel:
         new = max(1.0, tokens - cached)
         return self.base_tokens + new + self.ctx_factor * new * (tokens - new / 2)
 
-    def prefill_many(self, tokens: float, cached: np.ndarray) -> np.ndarray:
-        """``prefill`` for an array of cached token counts."""
+    def prefill_many(
+        self, tokens: float, cached: np.ndarray, work: np.ndarray | None = None
+    ) -> np.ndarray:
+        """``prefill`` for an array of cached token counts; with ``work``, each endpoint's
+        queued work: where something is queued and the request's uncached tokens fit in
+        ``batch_tokens``, it joins a prefill step that pays the fixed cost anyway."""
         new = np.maximum(1.0, tokens - cached)
-        return self.base_tokens + new + self.ctx_factor * new * (tokens - new / 2)
+        base = self.base_tokens
+        if self.batch_tokens and work is not None:
+            base = np.where(self.queued(work) & (new <= self.batch_tokens), 0.0, base)
+        return base + new + self.ctx_factor * new * (tokens - new / 2)
 
     def queued(self, work: np.ndarray) -> np.ndarray:
         """Whether each endpoint has anything queued: more work than one request's fixed
@@ -413,7 +425,7 @@ class Scheduler:
         if not eligible.any():
             eligible = np.ones(count, dtype=bool)
         cached = np.minimum(n, matched * block_tokens)
-        cost = work + model.prefill_many(n, cached)
+        cost = work + model.prefill_many(n, cached, work)
 
         best_eligible_match = int(matched[eligible].max())
         # Holding the session prefix, or a shared prefix that is most of the prompt (a long

@@ -433,6 +433,25 @@ def test_queued_work_follows_the_served_endpoint_and_is_taken_back_at_finish():
     assert set(router.queued_work().values()) == {0}
 
 
+def test_a_request_sent_where_prefill_work_is_queued_is_charged_without_the_steps_fixed_cost():
+    """vLLM prefills the requests queued together in one step (up to max_num_batched_tokens):
+    with prefill_batch_tokens, a request sent to an endpoint with more than a step's fixed
+    cost queued is charged its tokens only, when they fit in a step; one sent to an idle
+    endpoint pays the fixed cost."""
+    work = {}
+    for step in (0, 1_000, 100):  # off; the next's ~400 uncached tokens fit in a step; not
+        router = Router(RoutingConfig(prefill_batch_tokens=step), ENDPOINTS, clock=Clock())
+        first = router.route(completion(BIG))
+        # Its prompt held where the first's whole prefill is queued, but a ~400-token tail.
+        following = router.route(completion(BIG + "and one more question to answer. " * 50))
+        assert following.endpoint == first.endpoint
+        work[step] = (first.work, following.work)
+    base = RoutingConfig().prefill_base_tokens
+    assert work[1_000][0] == work[0][0]  # to an idle endpoint: the fixed cost too
+    assert work[1_000][1] == pytest.approx(work[0][1] - base)
+    assert work[100] == work[0]
+
+
 def test_a_shared_system_prompt_does_not_pull_new_sessions_onto_its_holder():
     # The preamble makes a new session cheaper to prefill where it is cached; following that
     # would put every conversation on the first endpoint that saw the system prompt. (A

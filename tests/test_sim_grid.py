@@ -156,6 +156,36 @@ def test_grid_with_seeds_averages_draws_it_also_runs_alone(tmp_path) -> None:
         )
     assert "same --cache-outputs" in str(error.value)
     assert one["cache_outputs"] is True
+    # And peers simulated with other cost constants: a file before Dec 6 records none and
+    # ran one prefill at a time.
+    assert one["cost_model"]["prefill_batch_tokens"] == 8192
+    with pytest.raises(SystemExit) as error:
+        _grid(
+            tmp_path,
+            "mixed.json",
+            "--peers-from",
+            str(tmp_path / "one.json"),
+            "--cost",
+            "prefill_batch_tokens=0",
+        )
+    assert "prefill_batch_tokens=8192" in str(error.value) and "same --cost" in str(error.value)
+    old = json.loads((tmp_path / "one.json").read_text())
+    del old["cost_model"]
+    (tmp_path / "old.json").write_text(json.dumps(old))
+    with pytest.raises(SystemExit) as error:
+        _grid(tmp_path, "mixed.json", "--peers-from", str(tmp_path / "old.json"))
+    assert "prefill_batch_tokens=0" in str(error.value)
+    before = _grid(
+        tmp_path,
+        "before.json",
+        "--router-replicas",
+        "1",
+        "--peers-from",
+        str(tmp_path / "old.json"),
+        "--cost",
+        "prefill_batch_tokens=0",
+    )
+    assert before["cost_model"]["prefill_batch_tokens"] == 0
 
 
 def test_grid_server_blocks_runs_ours_as_simulate_does(tmp_path) -> None:

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from . import grid as sim_grid
-from .report import table
+from .report import sweep_table, table
 
 
 @dataclass(frozen=True, slots=True)
@@ -29,7 +29,7 @@ class Headline:
 
 TUNING_GRID = "docs/sim-current-grid.json"
 HELD_OUT_GRIDS = (
-    ("8 replicas", "docs/sim-gaie-refresh-heldout.json"),
+    ("8 replicas", "docs/sim-current-heldout.json"),
     ("4 and 16 replicas", "docs/sim-gaie-refresh-heldout-4-16.json"),
 )
 HEADLINES = (
@@ -60,20 +60,13 @@ def _grid_cells(doc: dict[str, Any]) -> dict[sim_grid.Cell, dict[str, dict[str, 
     return sim_grid.from_json(doc["cells"])
 
 
-def sweep_table(sweep: dict[str, dict[str, float]]) -> str:
-    """Hit ratio against router replicas K, one row per policy (markdown)."""
-    ks = sorted({int(k) for by_k in sweep.values() for k in by_k})
-    lines = [
-        "| policy |" + "".join(f" K={k} |" for k in ks),
-        "|---|" + "---:|" * len(ks),
-    ]
-    for name, by_k in sweep.items():
-        cells = "".join(f" {by_k[str(k)]:.3f} |" if str(k) in by_k else " |" for k in ks)
-        lines.append(f"| {name} |{cells}")
-    return "\n".join(lines)
+def prefill_model(cost: dict[str, Any]) -> str:
+    """How the run's replicas prefill, from its recorded cost model."""
+    budget = int(cost.get("prefill_batch_tokens", 0))
+    return f"prefill steps of up to {budget:,} tokens" if budget else "one prefill at a time"
 
 
-def _headline(root: Path, head: Headline, cells: dict, seeds: list[int]) -> str:
+def _headline(root: Path, head: Headline, cells: dict, seeds: list[int], model: str) -> str:
     cell = sim_grid.Cell(head.workload, head.replicas, head.capacity_tokens, 1)
     if cell not in cells:
         raise ValueError(f"{TUNING_GRID} has no cell {cell.name}")
@@ -84,6 +77,10 @@ def _headline(root: Path, head: Headline, cells: dict, seeds: list[int]) -> str:
     got = (params["workload"], params["replicas"], params["capacity_tokens"])
     if got != wanted:
         raise ValueError(f"{head.sweep_json} is a run of {got}, not {wanted}")
+    if prefill_model(params["cost_model"]) != model:
+        raise ValueError(
+            f"{head.sweep_json} ran {prefill_model(params['cost_model'])}, not {model}"
+        )
     return "\n".join(
         [
             f"#### {head.workload}, {head.replicas} replicas × {head.capacity_tokens:,} KV tokens",
@@ -95,7 +92,7 @@ def _headline(root: Path, head: Headline, cells: dict, seeds: list[int]) -> str:
             f"Hit ratio against router replicas K, seed {params['seed']} (`{head.sweep_json}`, "
             f"ideal {sweep['ideal_hit_ratio']:.3f}; the plot is this run):",
             "",
-            sweep_table(sweep["sweep_k"]),
+            sweep_table(sweep["sweep_k"], markdown=True),
             "",
             f"![{head.workload}]({head.plot})",
         ]
@@ -106,7 +103,8 @@ def _verdicts(title: str, path: str, doc: dict[str, Any]) -> str:
     rows = sim_grid.verdicts(_grid_cells(doc))
     return "\n".join(
         [
-            f"#### {title} (`{path}`, seeds {doc['seeds'][0]}–{doc['seeds'][-1]})",
+            f"#### {title} (`{path}`, seeds {doc['seeds'][0]}–{doc['seeds'][-1]}, "
+            f"{prefill_model(sim_grid.grid_cost_model(doc))})",
             "",
             sim_grid.markdown(rows),
             "",
@@ -119,7 +117,8 @@ def render(root: Path) -> str:
     """The generated part of the section, between START and END."""
     tuning = _load(root, TUNING_GRID)
     cells = _grid_cells(tuning)
-    parts = [_headline(root, head, cells, tuning["seeds"]) for head in HEADLINES]
+    model = prefill_model(sim_grid.grid_cost_model(tuning))
+    parts = [_headline(root, head, cells, tuning["seeds"], model) for head in HEADLINES]
     parts.append(_verdicts("Ours against the best peer: the tuning grid", TUNING_GRID, tuning))
     for label, path in HELD_OUT_GRIDS:
         parts.append(

@@ -131,14 +131,15 @@ def simulate(
 
     def try_start(replica: Replica, now: float) -> None:
         while replica.can_start():
-            request, hit, duration = replica.start_prefill()
-            if request.rid not in started:  # not a preempted request's recomputation
-                started.add(request.rid)
-                record = records[request.rid]
-                record.hit_tokens = hit
-                record.queue_ms = now - request.arrival_s * 1000.0
-                record.prefill_ms = duration
-            push(now + duration, PREFILL_DONE, request, replica)
+            batch, duration = replica.start_batch()
+            for request, hit in batch:
+                if request.rid not in started:  # not a preempted request's recomputation
+                    started.add(request.rid)
+                    record = records[request.rid]
+                    record.hit_tokens = hit
+                    record.queue_ms = now - request.arrival_s * 1000.0
+                    record.prefill_ms = duration
+                push(now + duration, PREFILL_DONE, request, replica)
 
     def decode(replica: Replica, request: SimRequest, now: float) -> None:
         """kv_pool="preempt": the request's next output block, or its end."""

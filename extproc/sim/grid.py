@@ -99,6 +99,9 @@ def _ideal(
     return ideal_hit_ratio(_workload(name, trace, seed).requests, block_tokens, cache_outputs)
 
 
+DEFAULT_COST = CostModel()
+
+
 def run_one(
     cell: Cell,
     policy: str,
@@ -111,9 +114,9 @@ def run_one(
     server_blocks: bool = False,
     cache_outputs: bool = True,
     kv_events_ms: float | None = None,
+    cost: CostModel = DEFAULT_COST,
 ) -> tuple[Cell, str, dict[str, Any]]:
     """One simulation (runs in a worker process; everything it takes is picklable)."""
-    cost = CostModel()
     params = SimParams(
         replicas=cell.replicas,
         capacity_tokens=cell.capacity_tokens,
@@ -175,6 +178,7 @@ def run_grid(
     server_blocks: bool = False,
     cache_outputs: bool = True,
     kv_events_ms: float | None = None,
+    cost: CostModel = DEFAULT_COST,
 ) -> dict[Cell, dict[str, dict[str, Any]]]:
     """Peers and bounds run at K=1 only (their K sweep is `simulate --sweep-k`'s job).
     ``done`` is called once per (cell, policy), when all its seeds have run."""
@@ -208,6 +212,7 @@ def run_grid(
                     server_blocks,
                     cache_outputs,
                     kv_events_ms,
+                    cost,
                 ),
             )
             for c, p, seed in work
@@ -247,15 +252,35 @@ def from_json(rows: list[dict[str, Any]]) -> dict[Cell, dict[str, dict[str, Any]
     }
 
 
+def grid_cost_model(doc: dict[str, Any]) -> dict[str, Any]:
+    """The cost model a grid file ran: grids written before Dec 6 record none, and ran the
+    default constants of then, one prefill at a time."""
+    recorded = doc.get("cost_model")
+    if recorded is not None:
+        return dict(recorded)
+    return CostModel(prefill_batch_tokens=0).as_dict()
+
+
 def load_peers(
     path: str | os.PathLike[str],
     seeds: Sequence[int] = (0,),
     kv_pool: str = DEFAULT_KV_POOL,
     cache_outputs: bool = True,
+    cost: CostModel = DEFAULT_COST,
 ) -> dict[Cell, dict[str, dict[str, Any]]]:
-    """The peers' figures from an earlier grid, which must have run the same seeds and memory
-    model: means over other draws of the workloads, or on other replicas, are not comparable."""
+    """The peers' figures from an earlier grid, which must have run the same seeds, memory
+    and cost model: means over other draws of the workloads, or on other replicas, are not
+    comparable."""
     doc = json.loads(Path(path).read_text())
+    theirs_cost = grid_cost_model(doc)
+    differ = sorted(k for k, v in cost.as_dict().items() if theirs_cost.get(k) != v)
+    if differ:
+        said = ", ".join(f"{k}={theirs_cost.get(k)}" for k in differ)
+        raise SystemExit(
+            f"--peers-from {path}: its grid ran the cost model with {said}, this one with "
+            + ", ".join(f"{k}={getattr(cost, k)}" for k in differ)
+            + " (use the same --cost)"
+        )
     # Grids written before item 24 have no "kv_pool": they ran the split model.
     theirs = doc.get("kv_pool", "split")
     if theirs != kv_pool:

@@ -1,14 +1,21 @@
 """One simulated model server: a block-level LRU prefix cache and a continuous-batching clock.
 
 Time model (deliberately small; every constant is in CostModel and printed with results):
-- Prefill is compute-bound, so a replica prefills one request at a time, FIFO; a request
-  starts when the prefill unit is free and the batch has room (``max_batch`` sequences and
-  ``capacity_tokens`` of KV for the running ones; an empty replica always admits). Its cached
-  prefix is looked up at that moment, as vLLM does when it schedules the request.
+- Prefill runs in steps, FIFO: when the last step has ended, the next takes the head of the
+  queue and then, as vLLM's scheduler fills a step up to max_num_batched_tokens, the
+  requests after it whose uncached tokens fit in what is left of ``prefill_batch_tokens``
+  (the decoding requests' one token each counted); 0 is one request a step, the model of
+  every figure before Dec 6. A request starts when the batch has room (``max_batch``
+  sequences and ``capacity_tokens`` of KV for the running ones; an empty replica always
+  admits). Its cached prefix is looked up at that moment, as vLLM does when it schedules
+  the request. Not modelled: a prompt longer than the budget split over several steps
+  (it runs whole, in a step of its own).
 - prefill_ms(n, u) = base + a·u + b·u·(n − u/2) for n prompt tokens of which u are not
   cached: a linear term plus attention over the context. Fitted to an 8B model on one H200
   (/work/shared/notes/prefill-cost.md): 16,384 tokens cold 592 ms / 90% cached 117 (meas.
-  121) / 97% cached 61 (55); 4,096 tokens cold 122 (123) / 90% cached 46 (48).
+  121) / 97% cached 61 (55); 4,096 tokens cold 122 (123) / 90% cached 46 (48). A step pays
+  the base once (at batch 1 it is mostly launch overhead, ~25 ms in the eager-mode
+  measurement) and each of its requests its own a·u + b·u·(n − u/2).
 - Decode runs beside prefill (no interference modelled): output_tokens steps of
   base + per_seq·batch + per_ctx·(KV tokens in the batch) ms, with the batch frozen at the
   request's first token. Decode constants are a memory-bandwidth estimate, not measured.
@@ -53,6 +60,10 @@ class CostModel:
     decode_ms_per_ctx_token: float = 2.7e-5
     kv_block_tokens: int = 16
     max_batch: int = 128
+    # Prompt tokens one prefill step computes for several requests together (vLLM's
+    # max_num_batched_tokens: 8,192 for its API server on an H100 / H200), the decoding
+    # requests' one token each included; 0: one request at a time (every figure before Dec 6).
+    prefill_batch_tokens: int = 8192
 
     def prefill_ms(self, tokens: int, cached: int) -> float:
         new = max(1, tokens - cached)  # a fully cached prompt still computes its last token
@@ -60,6 +71,13 @@ class CostModel:
             self.prefill_base_ms
             + self.prefill_ms_per_token * new
             + self.prefill_ms_per_token_ctx * new * (tokens - new / 2)
+        )
+
+    def prefill_tokens_ms(self, tokens: int, cached: int) -> float:
+        """A prefill's time beside the step's fixed cost, which a batch pays once."""
+        new = max(1, tokens - cached)  # a fully cached prompt still computes its last token
+        return self.prefill_ms_per_token * new + self.prefill_ms_per_token_ctx * new * (
+            tokens - new / 2
         )
 
     def decode_step_ms(self, batch: int, ctx_tokens: int) -> float:
@@ -128,7 +146,8 @@ class Replica:
         self.admitted: dict[int, Progress] = {}
         self.progress: dict[int, Progress] = {}
         self.waiting: deque[SimRequest] = deque()
-        self.prefilling = False
+        # Requests in the prefill step under way (start_batch: one, or several together).
+        self.prefilling = 0
         self.running = 0  # prefilling + decoding sequences
         self.running_tokens = 0  # their prompt + output tokens (KV in use)
         # Counters the tests reconcile with the engine's per-request records.
@@ -223,7 +242,11 @@ class Replica:
         self.peak_in_flight = max(self.peak_in_flight, self.in_flight)
 
     def can_start(self) -> bool:
-        if self.prefilling or not self.waiting:
+        """Whether a prefill step can start now (the head of the queue admitted)."""
+        return not self.prefilling and self._admits()
+
+    def _admits(self) -> bool:
+        if not self.waiting:
             return False
         if self.running == 0:
             return True
@@ -242,22 +265,54 @@ class Replica:
         need = head.input_tokens + head.output_tokens
         return self.running_tokens + need <= self.capacity_tokens
 
-    def start_prefill(self) -> tuple[SimRequest, int, float]:
+    def _prompt_to_compute(self, request: SimRequest) -> int:
+        """The tokens its prefill computes over: the prompt, and after a preemption the
+        output it had produced too."""
+        state = self.progress.get(request.rid) if self.preempts else None
+        return request.input_tokens + (state.generated if state is not None else 0)
+
+    def _uncached(self, request: SimRequest) -> int:
+        full, last = cache_units(request, self.cost.kv_block_tokens)
+        return max(1, self._prompt_to_compute(request) - self.cache.match(request.ids, full, last))
+
+    def start_batch(self) -> tuple[list[tuple[SimRequest, int]], float]:
+        """Start a prefill step (can_start first): the head of the queue, then, FIFO, the
+        requests after it that are admitted and whose uncached tokens fit in what is left of
+        prefill_batch_tokens, as vLLM's scheduler fills a step; the first that does not fit
+        ends it (vLLM would start it chunked; here it waits whole for the next step). The
+        step pays the fixed cost once; every request in it takes the step's time to its
+        first token and counts it as its prefill time, as vLLM's
+        request_prefill_time_seconds does. ([(request, hit)], step ms)"""
+        # The step's token budget: what the decoding requests (one token each) leave.
+        left = self.cost.prefill_batch_tokens - self.running - self._uncached(self.waiting[0])
+        first, hit, step = self.start_prefill()
+        members, own = [(first, hit)], [step]
+        while self._admits() and (need := self._uncached(self.waiting[0])) <= left:
+            request, hit, ms = self.start_prefill(joining=True)
+            members.append((request, hit))
+            own.append(ms)
+            step += ms
+            left -= need
+        for (request, _), ms in zip(members, own, strict=True):
+            self._prefill_stats[request.rid][1] += step - ms
+        return members, step
+
+    def start_prefill(self, joining: bool = False) -> tuple[SimRequest, int, float]:
         """Admit the head of the queue: look up and refresh its prefix; (request, hit, ms).
+        ``joining``: into the prefill step started before (start_batch), which already pays
+        the step's fixed cost: ms is what the request adds to it.
         Under kv_pool="preempt" a preempted request's recomputation is not counted as a new
         request (hit 0 is returned for it: its hit was counted at its first admission)."""
         request = self.waiting.popleft()
         full, last = cache_units(request, self.cost.kv_block_tokens)
         hit = self.cache.match(request.ids, full, last)
-        tokens, first = request.input_tokens, True
+        tokens, first = self._prompt_to_compute(request), True
         if self.preempts:
             # Admitted before (counted in the replica's counters) while it has progress.
             first = request.rid not in self.progress
             state = self.progress.setdefault(request.rid, Progress(request))
             state.prefilling = True
             state.private = self._admission_private(request, full, last)
-            # A preempted request recomputes its prompt and the output it had produced.
-            tokens += state.generated
             if not first:
                 self.recomputed_tokens += tokens - hit
             whole = hit == full * (len(request.ids) - 1) + last
@@ -270,8 +325,11 @@ class Replica:
             self._flush_events(computing=request.rid)
         else:
             self.cache.touch(request.ids, full, last)
-        duration = self.cost.prefill_ms(tokens, hit)
-        self.prefilling = True
+        if joining:
+            duration = self.cost.prefill_tokens_ms(tokens, hit)
+        else:
+            duration = self.cost.prefill_ms(tokens, hit)
+        self.prefilling += 1
         self.running += 1
         self.running_tokens += request.input_tokens + request.output_tokens
         self.prefill_ms += duration
@@ -287,7 +345,7 @@ class Replica:
     def end_prefill(self, request: SimRequest, now_ms: float = 0.0) -> float:
         """The request's first token is out; returns its decode duration in ms (under
         kv_pool="preempt", its decode step: the engine schedules its blocks by it)."""
-        self.prefilling = False
+        self.prefilling -= 1
         computed = self._computing.pop(request.rid, None)
         if computed and self._publish is not None:
             self._publish(computed)
@@ -352,7 +410,7 @@ class Replica:
             if pool.events is not None:
                 pool.events.extend(e for e in computing if e[1] in pool)
             state.prefilling = False
-            self.prefilling = False
+            self.prefilling -= 1
         self.running -= 1
         self.running_tokens -= request.input_tokens + request.output_tokens
         self.waiting.appendleft(request)

@@ -118,6 +118,25 @@ def table(policies: dict[str, dict[str, Any]], markdown: bool = False) -> str:
     return "\n".join([line(HEADERS), *(line(r) for r in rows)])
 
 
+def sweep_table(sweep: dict[str, dict[Any, float]], markdown: bool = False) -> str:
+    """Hit ratio against router replicas K, one row per policy (aligned text or markdown).
+    Keys may be ints or, read back from JSON, strings."""
+    by_policy = {name: {int(k): v for k, v in by_k.items()} for name, by_k in sweep.items()}
+    ks = sorted({k for by_k in by_policy.values() for k in by_k})
+    if markdown:
+        lines = ["| policy |" + "".join(f" K={k} |" for k in ks), "|---|" + "---:|" * len(ks)]
+        for name, by_k in by_policy.items():
+            cells = "".join(f" {by_k[k]:.3f} |" if k in by_k else " |" for k in ks)
+            lines.append(f"| {name} |{cells}")
+        return "\n".join(lines)
+    lines = ["policy".ljust(18) + "".join(f"K={k}".rjust(8) for k in ks)]
+    for name, by_k in by_policy.items():
+        lines.append(
+            name.ljust(18) + "".join(f"{by_k[k]:8.3f}" if k in by_k else " " * 8 for k in ks)
+        )
+    return "\n".join(lines)
+
+
 # The sweep line of ours with peers (bench simulate --sweep-peers).
 PEERS_LINE = "ours, peers"
 
