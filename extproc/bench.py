@@ -234,7 +234,13 @@ def _cost_model(pairs: list[str]) -> CostModel:
         key, sep, value = pair.partition("=")
         if not sep or key not in fields:
             raise SystemExit(f"--cost {pair!r}: expected KEY=VALUE with KEY in {sorted(fields)}")
-        updates[key] = int(value) if fields[key] in (int, "int") else float(value)
+        try:
+            number = int(value) if fields[key] in (int, "int") else float(value)
+        except ValueError:
+            number = -1
+        if number < 0:
+            raise SystemExit(f"--cost {pair!r}: {key} must be a number, 0 or more")
+        updates[key] = number
     return dataclasses.replace(CostModel(), **updates)
 
 

@@ -227,10 +227,11 @@ class RoutingConfig(_Strict):
     )
     # Engines batch prefills (vLLM fills a step with up to max_num_batched_tokens: 8,192 on an
     # H100/H200). Off by default: in the simulator, with steps of 8,192, setting it to 8,192
-    # won the overloaded GAIE 4 x 100k back (0.454 / 8.4 s -> 0.508 / 5.8 s) but lengthened
-    # held-out tails by up to 36 % (GAIE low-cache 8 x 100k 110 -> 150 ms): the queued work
-    # it sees is often one step already running, after which a request pays the fixed cost
-    # anyway (docs/benchmarks.md, "Prefill steps batched as vLLM fills them").
+    # helped the overloaded GAIE 4 x 100k (0.454 / 8.4 s -> 0.508 / 5.8 s; GAIE's scorer still
+    # better on both) but lengthened held-out tails by up to 36 % (GAIE low-cache 8 x 100k
+    # 110 -> 150 ms): the queued work it sees is often one step already running, after which
+    # a request pays the fixed cost anyway (docs/benchmarks.md, "Prefill steps batched as
+    # vLLM fills them").
     prefill_batch_tokens: int = Field(
         default=0,
         ge=0,

@@ -450,6 +450,17 @@ def test_a_request_sent_where_prefill_work_is_queued_is_charged_without_the_step
     assert work[1_000][0] == work[0][0]  # to an idle endpoint: the fixed cost too
     assert work[1_000][1] == pytest.approx(work[0][1] - base)
     assert work[100] == work[0]
+    # A request that fits a step pays the fixed cost where nothing is queued, or less than a
+    # step's fixed cost (the queue's last step under way: the request waits for the next).
+    clock = Clock()
+    router = Router(RoutingConfig(prefill_batch_tokens=1_000), ENDPOINTS, clock=clock)
+    short = "a short question of its own. " * 20  # ~150 tokens
+    assert router.route(completion(short)).work > base
+    first = router.route(completion(BIG))
+    clock.now += (first.work - base / 2) / router.cost.drain_per_second
+    following = router.route(completion(BIG + "and one more question to answer. " * 50))
+    assert following.endpoint == first.endpoint
+    assert following.work == pytest.approx(work[0][1])  # the fixed cost included
 
 
 def test_a_shared_system_prompt_does_not_pull_new_sessions_onto_its_holder():

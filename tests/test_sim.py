@@ -379,6 +379,36 @@ def test_a_prefill_step_takes_the_queued_requests_that_fit_its_token_budget() ->
     assert [r for r, _ in batch] == [first] and step == cost.prefill_ms(48, 0)
 
 
+def test_a_prefill_step_counts_uncached_tokens_to_its_budget_and_admits_each_request() -> None:
+    """The budget is in tokens to compute: a request that fills it exactly joins, a warm
+    one joins on its uncached tail though its prompt would not fit; every request after the
+    head must still be admitted (KV memory), as the head is."""
+    cold = _request(0, (50, 51, 52))  # 48 tokens
+    exact = _request(1, (60, 61, 62, 63), last=4)  # 52 tokens: 48 + 52 = 100
+    replica = Replica(0, capacity_tokens=1_000, cost=CostModel(prefill_batch_tokens=100))
+    for request in (cold, exact):
+        replica.enqueue(request)
+    assert [r for r, _ in replica.start_batch()[0]] == [cold, exact]
+    # 64 tokens, 48 of them cached: 16 to compute, in the 22 the cold head leaves of 70.
+    warm_replica = Replica(0, capacity_tokens=1_000, cost=CostModel(prefill_batch_tokens=70))
+    done = _request(2, (1, 2, 3))
+    warm_replica.enqueue(done)
+    warm_replica.start_batch()
+    warm_replica.end_prefill(done)
+    warm_replica.finish(done)
+    warm = _request(3, (1, 2, 3, 4))
+    for request in (cold, warm):
+        warm_replica.enqueue(request)
+    batch, _ = warm_replica.start_batch()
+    assert [(r, hit) for r, hit in batch] == [(cold, 0), (warm, 48)]
+    # KV memory: each needs 48 + its first output's 4 units; two do not fit in 100.
+    full = Replica(0, capacity_tokens=100, cost=CostModel(prefill_batch_tokens=1_000))
+    other = _request(4, (70, 71, 72))
+    for request in (cold, other):
+        full.enqueue(request)
+    assert [r for r, _ in full.start_batch()[0]] == [cold]
+
+
 def test_requests_queued_together_share_a_prefill_step_end_to_end() -> None:
     """Four requests at one instant on one replica: the first starts a step alone as it
     arrives; batched, the three queued behind it share the next step and their first tokens
@@ -392,7 +422,12 @@ def test_requests_queued_together_share_a_prefill_step_end_to_end() -> None:
         )
         ttfts[budget] = sorted(r.ttft_ms for r in simulate(workload, "round-robin", params).records)
     one = CostModel().prefill_ms(256, 0)
+    batched = simulate(
+        workload, "round-robin", SimParams(replicas=1, capacity_tokens=100_000)
+    ).records
+    # Each request counts the step it was in as its prefill time.
     three = one + 2 * CostModel().prefill_tokens_ms(256, 0)
+    assert sorted(r.prefill_ms for r in batched) == pytest.approx([one, three, three, three])
     assert ttfts[8192] == pytest.approx([one, one + three, one + three, one + three])
     assert ttfts[0] == pytest.approx([one, 2 * one, 3 * one, 4 * one])
 

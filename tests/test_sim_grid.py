@@ -107,6 +107,9 @@ def test_grid_runs_every_cell_and_reuses_peer_results(tmp_path, capsys) -> None:
         (["--replicas", "four"], "--replicas"),
         (["--json", "/nonexistent/dir/grid.json"], "no such directory"),
         (["--seeds", "0"], "--seeds 0"),
+        (["--cost", "prefill_batch_tokens=-5"], "prefill_batch_tokens must be"),
+        (["--cost", "prefill_batch_tokens=many"], "prefill_batch_tokens must be"),
+        (["--cost", "prefill_batch=8"], "expected KEY=VALUE"),
     ],
 )
 def test_grid_rejects_bad_arguments_by_name(flag: list[str], message: str) -> None:
@@ -186,6 +189,10 @@ def test_grid_with_seeds_averages_draws_it_also_runs_alone(tmp_path) -> None:
         "prefill_batch_tokens=0",
     )
     assert before["cost_model"]["prefill_batch_tokens"] == 0
+    # The constants are run, not only recorded: SGLang (named, so re-simulated) queues
+    # requests on its holders, and one prefill at a time lengthens its tail.
+    tails = [[c["policies"]["sglang"]["ttft_p99_ms"] for c in g["cells"]] for g in (one, before)]
+    assert all(a < b for a, b in zip(*tails, strict=True)), tails
 
 
 def test_grid_server_blocks_runs_ours_as_simulate_does(tmp_path) -> None:
