@@ -30,7 +30,7 @@ class Headline:
 TUNING_GRID = "docs/sim-current-grid.json"
 HELD_OUT_GRIDS = (
     ("8 replicas", "docs/sim-current-heldout.json"),
-    ("4 and 16 replicas", "docs/sim-gaie-refresh-heldout-4-16.json"),
+    ("4 and 16 replicas", "docs/sim-current-heldout-4-16.json"),
 )
 HEADLINES = (
     Headline(
