@@ -283,11 +283,13 @@ class Replica:
         step pays the fixed cost once; every request in it takes the step's time to its
         first token and counts it as its prefill time, as vLLM's
         request_prefill_time_seconds does. ([(request, hit)], step ms)"""
-        # The step's token budget: what the decoding requests (one token each) leave.
-        left = self.cost.prefill_batch_tokens - self.running - self._uncached(self.waiting[0])
+        # The step's token budget: what the decoding requests (one token each) leave. Every
+        # request computes at least one token, so a budget spent (or 0) looks up no more.
+        budget = self.cost.prefill_batch_tokens
+        left = budget - self.running - self._uncached(self.waiting[0]) if budget else 0
         first, hit, step = self.start_prefill()
         members, own = [(first, hit)], [step]
-        while self._admits() and (need := self._uncached(self.waiting[0])) <= left:
+        while left > 0 and self._admits() and (need := self._uncached(self.waiting[0])) <= left:
             request, hit, ms = self.start_prefill(joining=True)
             members.append((request, hit))
             own.append(ms)
