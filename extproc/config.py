@@ -263,14 +263,16 @@ class RoutingConfig(_Strict):
     )
     # When every endpoint is backlogged, a copy's recomputed prefix is work that everything
     # queued behind it waits for, and in a full cache it evicts another prefix that will be
-    # recomputed in turn; the queue difference it escapes is passing. Off by default: in the
-    # simulator 3 took the overloaded GAIE shape 4 x 100k from 0.489 / 6.2 s to 0.517 / 4.8 s
-    # (GAIE's scorer: 0.530 / 5.2 s) and Mooncake 4 x 200k from 0.120 / 25.8 s to 0.128 /
-    # 23.4 s, but on the held-out shapes at 4 replicas it lengthened tails by up to 19 % and
-    # left GAIE's scorer better on both in GAIE low-cache (docs/benchmarks.md, "A backlog
-    # everywhere").
+    # recomputed in turn; the queue difference it escapes is passing. 1 since 2026-12-06
+    # (0 before): with prefill steps batched as vLLM's are, the simulator's overloaded GAIE
+    # shape 4 x 100k went from 0.454 / 8.4 s to 0.522 / 4.8 s (GAIE's scorer 0.531 / 5.1 s,
+    # no longer better on both) and Mooncake 4 x 1M from 0.355 / 5.7 s to 0.361 / 5.3 s; on
+    # the held-out shapes nothing moved at 8 replicas, and at 4 tails grew 1-5 % in four
+    # cells (llm-d tiered 4 x 400k also -0.002 of hit ratio) and fell 4 % in one with +0.019
+    # of hit ratio (docs/benchmarks.md, "A backlog everywhere, again"). Under the older
+    # one-prefill-at-a-time model 3 lengthened held-out tails by up to 19 %.
     backlog_stickiness: float = Field(
-        default=0.0,
+        default=1.0,
         ge=0,
         description="stickiness added, in multiples of the stickiness, per request's worth of "
         "prefill (this request's, cold) queued on the least-queued eligible endpoint; 0: off",

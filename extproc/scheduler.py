@@ -30,11 +30,11 @@ The algorithm, top to bottom:
    of an endpoint with nothing queued: a copy into free room evicts nothing; with
    session_stickiness set, off by default, a router alone charges a continuing
    conversation that much per token toward an endpoint with nothing queued: its later
-   turns follow the copy; with backlog_stickiness set, off by default, when even the
-   least-queued eligible endpoint has a backlog, the premium grows by backlog_stickiness x
-   stickiness per request's worth of it: every endpoint is busy, so a copy's extra
-   prefill delays all that queue behind it and, in a full cache, evicts a prefix
-   recomputed in turn, while the queue difference it escapes passes).
+   turns follow the copy; and when even the least-queued eligible endpoint has a
+   backlog, the premium grows by backlog_stickiness (1) x stickiness per request's worth
+   of it: every endpoint is busy, so a copy's extra prefill delays all that queue behind
+   it and, in a full cache, evicts a prefix recomputed in turn, while the queue
+   difference it escapes passes).
    A new session drawn by a shared prefix alone (held, but not its own first turn) goes by
    the rendezvous order among the endpoints whose cost is within cold_margin x its cold
    prefill of the cheapest, as a cold start would: another router replica that sees only
@@ -198,7 +198,7 @@ class CostModel:
     long_prefix_tokens: float = 8192.0
     long_prefix_stickiness: float = 16.0
     # Stickiness added per request's worth of prefill queued everywhere (see backlog_premium).
-    backlog_stickiness: float = 0.0
+    backlog_stickiness: float = 1.0
     # Engines batch the prefills queued together (vLLM fills a step with up to
     # max_num_batched_tokens): a request sent where prefill work is queued, whose uncached
     # tokens fit in a step, adds them to one, not a step's fixed cost (0: every request pays it).

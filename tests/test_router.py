@@ -1678,7 +1678,7 @@ def test_a_router_alone_ignores_cache_events_one_of_several_reads_them(finished_
 
 
 def test_a_backlog_on_every_endpoint_makes_leaving_a_held_prefix_dearer():
-    """backlog_stickiness (off by default): when even the least-queued endpoint has a
+    """backlog_stickiness (1 by default): when even the least-queued endpoint has a
     backlog, a copy's recomputed prefix is work every request queued there waits for, and in
     a full cache it evicts another prefix; the request then stays with its prefix past a
     queue difference that moves it when the other endpoint is idle (or with the setting
@@ -1703,7 +1703,8 @@ def test_a_backlog_on_every_endpoint_makes_leaving_a_held_prefix_dearer():
     assert pick([gap, 0.0], backlog_stickiness=3.0) == other  # the other is idle
     assert pick([100_000.0 + gap, 100_000.0], backlog_stickiness=3.0) == holder
     assert pick([100_000.0 + gap, 100_000.0], backlog_stickiness=0.0) == other
-    assert RoutingConfig().backlog_stickiness == 0  # off by default (docs/benchmarks.md)
+    assert pick([100_000.0 + gap, 100_000.0]) == holder  # on by default (docs/benchmarks.md)
+    assert pick([gap, 0.0]) == other
 
 
 def test_a_request_for_n_samples_counts_as_the_n_requests_the_server_counts():
