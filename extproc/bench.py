@@ -343,7 +343,10 @@ def grid_command(args: argparse.Namespace) -> int:
     bar.close()
     for cell, by_policy in peers.items():
         if cell in results:
-            results[cell] = {**by_policy, **results[cell]}
+            # Ours first, then the peers in the file's order, as a run of every policy lists
+            # them (the docs' tables follow this order); re-run peers take their new figures.
+            fresh = results[cell]
+            results[cell] = {sim_grid.OURS: fresh[sim_grid.OURS], **by_policy, **fresh}
     rows = sim_grid.verdicts(results)
     shared = "".join(
         f"; router replicas share {what}"
