@@ -267,10 +267,11 @@ class RoutingConfig(_Strict):
     # (0 before): with prefill steps batched as vLLM's are, the simulator's overloaded GAIE
     # shape 4 x 100k went from 0.454 / 8.4 s to 0.522 / 4.8 s (GAIE's scorer 0.531 / 5.1 s,
     # no longer better on both) and Mooncake 4 x 1M from 0.355 / 5.7 s to 0.361 / 5.3 s; on
-    # the held-out shapes nothing moved at 8 replicas, and at 4 tails grew 1-5 % in four
-    # cells (llm-d tiered 4 x 400k also -0.002 of hit ratio) and fell 4 % in one with +0.019
-    # of hit ratio (docs/benchmarks.md, "A backlog everywhere, again"). Under the older
-    # one-prefill-at-a-time model 3 lengthened held-out tails by up to 19 %.
+    # the held-out shapes nothing moved at 8 replicas and no count at 4/16, where tails grew
+    # 0.5-6 % in seven 4-replica entries (llm-d tiered 4 x 400k also -0.002 of hit ratio) and
+    # GAIE long questions 4 x 600k gained on both (+0.019, -4 %); on two real vLLM servers
+    # no measurable difference (docs/benchmarks.md, "A backlog everywhere, again"). Under
+    # the older one-prefill-at-a-time model 3 lengthened held-out tails by up to 19 %.
     backlog_stickiness: float = Field(
         default=1.0,
         ge=0,
