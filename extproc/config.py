@@ -266,9 +266,9 @@ class RoutingConfig(_Strict):
     # recomputed in turn; the queue difference it escapes is passing. 1 since 2026-12-06
     # (0 before): with prefill steps batched as vLLM's are, the simulator's overloaded GAIE
     # shape 4 x 100k went from 0.454 / 8.4 s to 0.522 / 4.8 s (GAIE's scorer 0.531 / 5.1 s,
-    # no longer better on both) and Mooncake 4 x 1M from 0.355 / 5.7 s to 0.361 / 5.3 s; on
+    # no longer better on both) and Mooncake 4 x 1M from 0.354 / 5.7 s to 0.361 / 5.3 s; on
     # the held-out shapes nothing moved at 8 replicas and no count at 4/16, where tails grew
-    # 0.5-6 % in seven 4-replica entries (llm-d tiered 4 x 400k also -0.002 of hit ratio) and
+    # 0.1-6 % in nine 4-replica entries (llm-d tiered 4 x 400k also -0.002 of hit ratio) and
     # GAIE long questions 4 x 600k gained on both (+0.019, -4 %); on two real vLLM servers
     # no measurable difference (docs/benchmarks.md, "A backlog everywhere, again"). Under
     # the older one-prefill-at-a-time model 3 lengthened held-out tails by up to 19 %.
