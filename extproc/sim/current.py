@@ -77,10 +77,9 @@ def _headline(root: Path, head: Headline, cells: dict, seeds: list[int], model: 
     got = (params["workload"], params["replicas"], params["capacity_tokens"])
     if got != wanted:
         raise ValueError(f"{head.sweep_json} is a run of {got}, not {wanted}")
-    if prefill_model(params["cost_model"]) != model:
-        raise ValueError(
-            f"{head.sweep_json} ran {prefill_model(params['cost_model'])}, not {model}"
-        )
+    ran = prefill_model(params["cost_model"])
+    if ran != model:
+        raise ValueError(f"{head.sweep_json} ran {ran}, not {model}")
     return "\n".join(
         [
             f"#### {head.workload}, {head.replicas} replicas × {head.capacity_tokens:,} KV tokens",

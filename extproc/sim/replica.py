@@ -271,9 +271,10 @@ class Replica:
         state = self.progress.get(request.rid) if self.preempts else None
         return request.input_tokens + (state.generated if state is not None else 0)
 
-    def _uncached(self, request: SimRequest) -> int:
+    def _held(self, request: SimRequest) -> int:
+        """Its cached prefix (a read: the cache is refreshed only when it is admitted)."""
         full, last = cache_units(request, self.cost.kv_block_tokens)
-        return max(1, self._prompt_to_compute(request) - self.cache.match(request.ids, full, last))
+        return self.cache.match(request.ids, full, last)
 
     def start_batch(self) -> tuple[list[tuple[SimRequest, int]], float]:
         """Start a prefill step (can_start first): the head of the queue, then, FIFO, the
@@ -285,12 +286,20 @@ class Replica:
         request_prefill_time_seconds does. ([(request, hit)], step ms)"""
         # The step's token budget: what the decoding requests (one token each) leave. Every
         # request computes at least one token, so a budget spent (or 0) looks up no more.
+        # Each request's prefix is looked up once, for the budget and for its admission.
         budget = self.cost.prefill_batch_tokens
-        left = budget - self.running - self._uncached(self.waiting[0]) if budget else 0
-        first, hit, step = self.start_prefill()
+        head = self.waiting[0]
+        held = self._held(head)
+        left = budget - self.running - max(1, self._prompt_to_compute(head) - held) if budget else 0
+        first, hit, step = self.start_prefill(held=held)
         members, own = [(first, hit)], [step]
-        while left > 0 and self._admits() and (need := self._uncached(self.waiting[0])) <= left:
-            request, hit, ms = self.start_prefill(joining=True)
+        while left > 0 and self._admits():
+            nxt = self.waiting[0]
+            held = self._held(nxt)
+            need = max(1, self._prompt_to_compute(nxt) - held)
+            if need > left:
+                break
+            request, hit, ms = self.start_prefill(joining=True, held=held)
             members.append((request, hit))
             own.append(ms)
             step += ms
@@ -299,15 +308,18 @@ class Replica:
             self._prefill_stats[request.rid][1] += step - ms
         return members, step
 
-    def start_prefill(self, joining: bool = False) -> tuple[SimRequest, int, float]:
+    def start_prefill(
+        self, joining: bool = False, held: int | None = None
+    ) -> tuple[SimRequest, int, float]:
         """Admit the head of the queue: look up and refresh its prefix; (request, hit, ms).
         ``joining``: into the prefill step started before (start_batch), which already pays
-        the step's fixed cost: ms is what the request adds to it.
+        the step's fixed cost: ms is what the request adds to it. ``held``: its prefix as
+        start_batch has just looked it up (the cache has not changed since).
         Under kv_pool="preempt" a preempted request's recomputation is not counted as a new
         request (hit 0 is returned for it: its hit was counted at its first admission)."""
         request = self.waiting.popleft()
         full, last = cache_units(request, self.cost.kv_block_tokens)
-        hit = self.cache.match(request.ids, full, last)
+        hit = self.cache.match(request.ids, full, last) if held is None else held
         tokens, first = self._prompt_to_compute(request), True
         if self.preempts:
             # Admitted before (counted in the replica's counters) while it has progress.
