@@ -276,7 +276,9 @@ class RoutingConfig(_Strict):
         default=1.0,
         ge=0,
         description="stickiness added, in multiples of the stickiness, per request's worth of "
-        "prefill (this request's, cold) queued on the least-queued eligible endpoint; 0: off",
+        "prefill (this request's, cold) queued on the least-queued eligible endpoint (other "
+        "routers' requests waiting on every endpoint included); and the cold-start margin of "
+        "a key placed before grows by this many times those others' common queue; 0: off",
     )
     # A continuing conversation's later turns follow its history, so moving it loses no
     # later reuse. Off by default: in the simulator 2 trades 0.001-0.016 of chat hit ratio

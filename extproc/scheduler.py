@@ -31,7 +31,8 @@ The algorithm, top to bottom:
    session_stickiness set, off by default, a router alone charges a continuing
    conversation that much per token toward an endpoint with nothing queued: its later
    turns follow the copy; and when even the least-queued eligible endpoint has a
-   backlog, the premium grows by backlog_stickiness (1) x stickiness per request's worth
+   backlog (this router's requests, or other routers' waiting on every endpoint), the
+   premium grows by backlog_stickiness (1) x stickiness per request's worth
    of it: every endpoint is busy, so a copy's extra prefill delays all that queue behind
    it and, in a full cache, evicts a prefix recomputed in turn, while the queue
    difference it escapes passes).
@@ -55,7 +56,9 @@ The algorithm, top to bottom:
 3. Cold start: nobody eligible holds the session → rendezvous-hash the placement key over
    the eligible endpoints (highest hash wins), skipping an endpoint whose queued work
    exceeds the least-loaded one's by more than cold_margin x the request's own cold
-   prefill. For a new conversation whose preamble (system prompt, tools) is at least
+   prefill (for a key this router placed before, plus backlog_stickiness x the queue other
+   routers' requests make on every endpoint: while that lasts, the pick's extra queue
+   passes and a copy elsewhere stays). For a new conversation whose preamble (system prompt, tools) is at least
    shared_prefix_fraction of its first turn and not popular, the key is the preamble's
    (hashing.group_key), here and for rule 2's new sessions. Queued work only: a cheaper
    prefill where a shared preamble is cached must not count (see below). Independent
@@ -106,7 +109,8 @@ SHARED_BALANCE_MARGIN = 2.0
 # Cold starts remember where they placed this many placement keys (least recently placed
 # forgotten first), ~6 MB: a key cold-started again (its prefix evicted, or a document's next
 # question before its first was indexed) goes back to its endpoint, which the balance, unlike
-# the rendezvous order alone, would not otherwise find again.
+# the rendezvous order alone, would not otherwise find again; and while other routers'
+# requests wait on every endpoint, a key placed before keeps to its rendezvous pick.
 HOME_KEYS = 65_536
 
 
@@ -139,6 +143,10 @@ class EndpointTable:
     # work by SHARED_BALANCE_MARGIN cold prefills (router replicas sharing placements).
     placed_choices: int = 0
     rows: np.ndarray | None = None
+    # Queued work every endpoint has beyond ``work``: the part of other routers' waiting
+    # requests common to all of them (Router._unseen), which says nothing about where to
+    # send but that every endpoint is busy (the backlog rules of Scheduler.pick).
+    backlog: float = 0.0
 
     def __len__(self) -> int:
         return len(self.load)
@@ -491,7 +499,8 @@ class Scheduler:
             if not new_session and not turnless:
                 premium = model.continuing_premium(premium, work)
             if model.backlog_stickiness:
-                premium = premium + model.backlog_premium(n, float(work[eligible].min()))
+                least = float(work[eligible].min()) + table.backlog
+                premium = premium + model.backlog_premium(n, least)
             score = -(cost + premium * np.maximum(0.0, best_tokens - cached))
             if new_session:
                 # The rendezvous order among the endpoints within the cold-start margin of
@@ -512,6 +521,14 @@ class Scheduler:
             eligible = _with_room(eligible, table.saturated)
             cold_prefill = model.prefill(n, 0)
             limit = float(work[eligible].min()) + model.cold_margin * cold_prefill
+            if key in self.homes:
+                # A key this router placed before (a document's next question, a session whose
+                # prefix its index lost) while other routers' requests wait on every endpoint:
+                # the rendezvous pick's extra queue passes, a copy elsewhere stays, and other
+                # router replicas, which see the same servers' queues, keep to the pick alike.
+                # A key seen first is placed by the queues as before: most of the Mooncake
+                # trace's keys come once or twice, and there the queues keep the tails short.
+                limit += model.backlog_stickiness * table.backlog
             score = (work <= limit).astype(np.float64)
             if table.placed is not None:
                 score = 3.0 * score + self._balance(
@@ -519,8 +536,7 @@ class Scheduler:
                 )
             order = np.lexsort((~rendezvous, -score, ~eligible))
             chosen = int(order[0])
-            if cfg.balance_cold_starts:
-                self._remember_home(key, table, chosen)
+            self._remember_home(key, table, chosen)
             cold_start = True
             skipped = bool((~eligible & (matched >= needed)).any())
             spread = popular and best_eligible_match >= needed
@@ -562,7 +578,7 @@ class Scheduler:
         when a conversation's next turn reaches another replica before its placement does."""
         placed = table.placed
         assert placed is not None
-        home = self.homes.get(key)
+        home = self.homes.get(key) if self.config.balance_cold_starts else None
         if home is not None and table.address_hash is not None:
             return (table.address_hash == np.uint64(home)).astype(np.float64) * 2.0
         if table.placed_choices:

@@ -1599,8 +1599,8 @@ def test_a_balanced_cold_start_sends_a_key_back_to_where_it_placed_it():
     assert scheduler.pick(table(crowded), 8, key=42).endpoint == first.endpoint
     assert scheduler.pick(table(crowded), 8, key=43).endpoint != first.endpoint
     assert first.cold_start and "placed_work" in first.explain()["candidates"][0]
-    # Balanced (the table carries placed work) but without the key memory, which the option
-    # switches off with the balance: the crowded endpoint loses the key.
+    # Balanced (the table carries placed work) but without going back to a key's endpoint,
+    # which the option switches off with the balance: the crowded endpoint loses the key.
     forgetful = Scheduler(RoutingConfig(balance_cold_starts=False))
     forgetful.pick(table(even), 8, key=42)
     assert forgetful.pick(table(crowded), 8, key=42).endpoint != first.endpoint
@@ -1705,6 +1705,71 @@ def test_a_backlog_on_every_endpoint_makes_leaving_a_held_prefix_dearer():
     assert pick([100_000.0 + gap, 100_000.0], backlog_stickiness=0.0) == other
     assert pick([100_000.0 + gap, 100_000.0]) == holder  # on by default (docs/benchmarks.md)
     assert pick([gap, 0.0]) == other
+
+
+def test_other_routers_requests_waiting_everywhere_are_a_backlog_that_keeps_a_prefix():
+    """Several router replicas: the requests other routers sent, waiting on every endpoint,
+    are left out of each endpoint's queued work (only the excess over the median says where
+    to send), but they are a backlog all the same: leaving a held prefix then costs
+    backlog_stickiness, as this router's own backlog does. The same excess queue moves the
+    request when the other endpoints have nothing waiting (or with the setting off)."""
+
+    def second_turn(waiting_elsewhere: int, **routing) -> tuple[str, str, dict]:
+        router = Router(RoutingConfig(load_slack=1000, **routing), ENDPOINTS, clock=Clock())
+        first = router.route(chat("explain rendezvous hashing " * 600))
+        router.finish(first)
+        home = first.endpoint
+        for endpoint in ENDPOINTS:
+            waiting = waiting_elsewhere + (20 if endpoint.address == home else 0)
+            router.observe_signals(endpoint.address, up=True, running=4, waiting=waiting)
+        turn2 = chat("explain rendezvous hashing " * 600, "sure: ...", "and with weights?")
+        decision = router.route(turn2)
+        queued = {c["endpoint"]: c["queued_work"] for c in decision.explain()["candidates"]}
+        return decision.endpoint, home, queued
+
+    moved, home, alone = second_turn(waiting_elsewhere=0)
+    assert moved != home
+    stayed, home, everywhere = second_turn(waiting_elsewhere=20)
+    assert stayed == home
+    assert everywhere == alone  # the same queued work: 20 requests' worth more at home
+    assert everywhere[home] > 0 and min(everywhere.values()) == 0
+    moved, home, _ = second_turn(waiting_elsewhere=20, backlog_stickiness=0.0)
+    assert moved != home
+
+
+def test_a_key_placed_before_keeps_to_its_pick_while_a_backlog_lasts_everywhere():
+    """A cold start skips its rendezvous pick queued more than the margin past the least;
+    a key this router placed before (its index lost the prefix, or the next question on a
+    document) stays on the pick while other routers' requests wait on every endpoint (the
+    table's backlog): the queue difference passes, a copy elsewhere stays, and the other
+    router replicas see the same queues. A key seen first is placed by the queues."""
+    addresses = [e.address for e in ENDPOINTS[:2]]
+    hashes = np.array([address_hash(a) for a in addresses], dtype=np.uint64)
+    prompt, key = 2304, 7
+
+    def table(work: list[float], backlog: float) -> EndpointTable:
+        return EndpointTable(
+            addresses=addresses,
+            load=np.zeros(2),
+            work=np.array(work),
+            matched=np.zeros(2, dtype=np.int64),
+            address_hash=hashes,
+            backlog=backlog,
+        )
+
+    scheduler = Scheduler(RoutingConfig())
+    pick = scheduler.pick(table([0.0, 0.0], 0.0), prompt, key=key).endpoint
+    assert pick is not None
+    other = next(a for a in addresses if a != pick)
+    gap = 60_000.0  # a second of prefill: far past the margin of a 2,304-token prompt
+    queued = [gap if a == pick else 0.0 for a in addresses]
+    assert scheduler.pick(table(queued, 0.0), prompt, key=key).endpoint == other
+    assert scheduler.pick(table(queued, 100_000.0), prompt, key=key).endpoint == pick
+    fresh = Scheduler(RoutingConfig())  # never placed the key
+    assert fresh.pick(table(queued, 100_000.0), prompt, key=key).endpoint == other
+    off = Scheduler(RoutingConfig(backlog_stickiness=0.0))
+    off.pick(table([0.0, 0.0], 0.0), prompt, key=key)
+    assert off.pick(table(queued, 100_000.0), prompt, key=key).endpoint == other
 
 
 def test_a_request_for_n_samples_counts_as_the_n_requests_the_server_counts():
