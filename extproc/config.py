@@ -272,6 +272,11 @@ class RoutingConfig(_Strict):
     # GAIE long questions 4 x 600k gained on both (+0.019, -4 %); on two real vLLM servers
     # no measurable difference (docs/benchmarks.md, "A backlog everywhere, again"). Under
     # the older one-prefill-at-a-time model 3 lengthened held-out tails by up to 19 %.
+    # Since the thirtieth session other routers' requests waiting on every endpoint count
+    # as that backlog, and a cold start of a key placed before keeps to its rendezvous pick
+    # past cold_margin by this many times their common queue: four router replicas on the
+    # overloaded GAIE shape went from 0.292 / 18.8 s to 0.420 / 12.0 s (one router: 0.524 /
+    # 4.6 s; docs/benchmarks.md, "Other routers' queues are a backlog too").
     backlog_stickiness: float = Field(
         default=1.0,
         ge=0,

@@ -143,9 +143,10 @@ class EndpointTable:
     # work by SHARED_BALANCE_MARGIN cold prefills (router replicas sharing placements).
     placed_choices: int = 0
     rows: np.ndarray | None = None
-    # Queued work every endpoint has beyond ``work``: the part of other routers' waiting
-    # requests common to all of them (Router._unseen), which says nothing about where to
-    # send but that every endpoint is busy (the backlog rules of Scheduler.pick).
+    # Queued work every endpoint has beyond ``work``: the part common to all of them of the
+    # waiting requests the router counts beyond its own charges (other routers', or those
+    # waiting for KV memory; Router._unseen), which says nothing about where to send but
+    # that every endpoint is busy (the backlog rules of Scheduler.pick).
     backlog: float = 0.0
 
     def __len__(self) -> int:
