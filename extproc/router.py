@@ -730,9 +730,12 @@ class Router:
         return self.index.stats()
 
     # -- queued work ----------------------------------------------------------------------
-    def _unseen(self, positions: np.ndarray, now: float) -> tuple[np.ndarray | float, float]:
-        """Queued work other routers sent, as of now, and the part of it every endpoint has
-        (the median, which the first leaves out). An endpoint that reports more requests
+    def _unseen(
+        self, positions: np.ndarray, now: float
+    ) -> tuple[np.ndarray | float, np.ndarray | float]:
+        """Queued work other routers sent, as of now: the excess over the endpoints' median,
+        and apart the rest of each endpoint's (up to the median), which the first leaves
+        out. An endpoint that reports more requests
         waiting than this router has in flight there holds at least that many from someone
         else: each is priced as this router's typical prefill, and the sum drains at the
         prefill throughput from the scrape on. Several uncoordinated router replicas each
@@ -748,36 +751,43 @@ class Router:
         blocked = self._blocked_work.left(positions, now, rate)  # 0.0 while none is left
         if isinstance(blocked, np.ndarray) and not self._no_room[positions].all():
             left = left + blocked
-        common = 0.0
+        hidden: np.ndarray | float = 0.0
         if isinstance(left, np.ndarray) and left.any():
             # Only the excess over the endpoints' median: a queue every endpoint has does not
             # say where to send, and in an overloaded pool counting it in full had each router
             # move different sessions off their prefixes (GAIE 4 x 100k, K=4: hit ratio 0.33
             # -> 0.17 in full, 0.22 above the median). It does say that every endpoint is
             # busy: the scheduler's backlog rules read it (EndpointTable.backlog).
-            common = float(np.median(left))
-            left = np.maximum(0.0, left - common)
-        return left, common
+            median = float(np.median(left))
+            hidden = np.minimum(left, median)
+            left = left - hidden
+        return left, hidden
 
     def _own(self, positions: np.ndarray, now: float) -> np.ndarray:
         """This router's charges (after ``_drain_all``), detached ones included."""
         return self._work[positions] + self._detached_now(positions, now)
 
-    def _others(self, positions: np.ndarray, now: float) -> tuple[np.ndarray | float, float]:
+    def _others(
+        self, positions: np.ndarray, now: float
+    ) -> tuple[np.ndarray | float, np.ndarray | float]:
         """Other routers' queued work: what peers report (times routing.peer_work_weight), or
         the waiting-count estimate where that is larger (it also sees clients that bypass
-        the routers); and, apart, the part of that estimate every endpoint has (``_unseen``).
+        the routers); and, apart, the part of that estimate left out (``_unseen``).
         The weight damps a herd: every router reads the same second-old
         figures and would move sessions off the same busy replica at once; on the
         simulator's Mooncake cells, weight 0.5 against 1 kept most of the shorter tails
         (K=4 p99 8 x 200k 7.5 -> 8.1 s; 30.1 s without peers) for about half the hit-ratio
         cost (0.158 -> 0.165; 0.171 without), and did no worse on GAIE or chat
         (docs/benchmarks.md)."""
-        unseen, common = self._unseen(positions, now)
+        unseen, hidden = self._unseen(positions, now)
         if not self._peer_reports or not self._peers_heard(now):
-            return unseen, common  # no peers, or every one silent (dropped at the next report)
-        peers = self._peer_work.left(positions, now, self.cost.drain_per_second)
-        return np.maximum(unseen, self.config.peer_work_weight * peers), common
+            return unseen, hidden  # no peers, or every one silent (dropped at the next report)
+        peers = self.config.peer_work_weight * self._peer_work.left(
+            positions, now, self.cost.drain_per_second
+        )
+        others = np.maximum(unseen, peers)
+        # What is left out: the rest of the larger of the two whole estimates.
+        return others, np.maximum(0.0, np.maximum(unseen + hidden, peers) - others)
 
     def _drain_all(self, now: float) -> None:
         rate = self.cost.drain_per_second

@@ -143,11 +143,12 @@ class EndpointTable:
     # work by SHARED_BALANCE_MARGIN cold prefills (router replicas sharing placements).
     placed_choices: int = 0
     rows: np.ndarray | None = None
-    # Queued work every endpoint has beyond ``work``: the part common to all of them of the
+    # float64 (or one figure for all): queued work each endpoint has beyond ``work``, the
     # waiting requests the router counts beyond its own charges (other routers', or those
-    # waiting for KV memory; Router._unseen), which says nothing about where to send but
-    # that every endpoint is busy (the backlog rules of Scheduler.pick).
-    backlog: float = 0.0
+    # waiting for KV memory; Router._unseen) up to their median over the endpoints, which
+    # ``work`` leaves out: a queue every endpoint has does not say where to send. It does say
+    # whether every endpoint is busy (the backlog rules of Scheduler.pick).
+    backlog: np.ndarray | float = 0.0
 
     def __len__(self) -> int:
         return len(self.load)
@@ -500,7 +501,7 @@ class Scheduler:
             if not new_session and not turnless:
                 premium = model.continuing_premium(premium, work)
             if model.backlog_stickiness:
-                least = float(work[eligible].min()) + table.backlog
+                least = float((work + table.backlog)[eligible].min())
                 premium = premium + model.backlog_premium(n, least)
             score = -(cost + premium * np.maximum(0.0, best_tokens - cached))
             if new_session:
@@ -529,7 +530,8 @@ class Scheduler:
                 # router replicas, which see the same servers' queues, keep to the pick alike.
                 # A key seen first is placed by the queues as before: most of the Mooncake
                 # trace's keys come once or twice, and there the queues keep the tails short.
-                limit += model.backlog_stickiness * table.backlog
+                others = np.broadcast_to(table.backlog, work.shape)[eligible]
+                limit += model.backlog_stickiness * float(others.min())
             score = (work <= limit).astype(np.float64)
             if table.placed is not None:
                 score = 3.0 * score + self._balance(

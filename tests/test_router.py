@@ -1712,14 +1712,17 @@ def test_other_routers_requests_waiting_everywhere_are_a_backlog_that_keeps_a_pr
     are left out of each endpoint's queued work (only the excess over the median says where
     to send), but they are a backlog all the same: leaving a held prefix then costs
     backlog_stickiness, as this router's own backlog does. The same excess queue moves the
-    request when the other endpoints have nothing waiting (or with the setting off)."""
+    request when another endpoint has nothing waiting (or with the setting off): with two
+    endpoints the median is half the busy one's queue, yet the other is idle."""
 
-    def second_turn(waiting_elsewhere: int, **routing) -> tuple[str, str, dict]:
-        router = Router(RoutingConfig(load_slack=1000, **routing), ENDPOINTS, clock=Clock())
+    def second_turn(
+        waiting_elsewhere: int, endpoints=ENDPOINTS, **routing
+    ) -> tuple[str, str, dict]:
+        router = Router(RoutingConfig(load_slack=1000, **routing), endpoints, clock=Clock())
         first = router.route(chat("explain rendezvous hashing " * 600))
         router.finish(first)
         home = first.endpoint
-        for endpoint in ENDPOINTS:
+        for endpoint in endpoints:
             waiting = waiting_elsewhere + (20 if endpoint.address == home else 0)
             router.observe_signals(endpoint.address, up=True, running=4, waiting=waiting)
         turn2 = chat("explain rendezvous hashing " * 600, "sure: ...", "and with weights?")
@@ -1735,6 +1738,10 @@ def test_other_routers_requests_waiting_everywhere_are_a_backlog_that_keeps_a_pr
     assert everywhere[home] > 0 and min(everywhere.values()) == 0
     moved, home, _ = second_turn(waiting_elsewhere=20, backlog_stickiness=0.0)
     assert moved != home
+    moved, home, _ = second_turn(waiting_elsewhere=0, endpoints=ENDPOINTS[:2])
+    assert moved != home
+    stayed, home, _ = second_turn(waiting_elsewhere=20, endpoints=ENDPOINTS[:2])
+    assert stayed == home
 
 
 def test_a_key_placed_before_keeps_to_its_pick_while_a_backlog_lasts_everywhere():
