@@ -275,8 +275,8 @@ class RoutingConfig(_Strict):
     # Since the thirtieth session other routers' requests waiting on every endpoint count
     # as that backlog, and a cold start of a key placed before keeps to its rendezvous pick
     # past cold_margin by this many times their common queue: four router replicas on the
-    # overloaded GAIE shape went from 0.292 / 18.8 s to 0.420 / 12.0 s (one router: 0.524 /
-    # 4.6 s; docs/benchmarks.md, "Other routers' queues are a backlog too").
+    # overloaded GAIE shape went from 0.292 / 18.8 s to 0.418 / 12.2 s (one router: 0.523 /
+    # 4.7 s; docs/benchmarks.md, "Other routers' queues are a backlog too").
     backlog_stickiness: float = Field(
         default=1.0,
         ge=0,
