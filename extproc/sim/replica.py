@@ -276,6 +276,10 @@ class Replica:
         full, last = cache_units(request, self.cost.kv_block_tokens)
         return self.cache.match(request.ids, full, last)
 
+    def _uncached(self, request: SimRequest, held: int) -> int:
+        """The tokens its prefill computes: at least one, as vLLM computes the last."""
+        return max(1, self._prompt_to_compute(request) - held)
+
     def start_batch(self) -> tuple[list[tuple[SimRequest, int]], float]:
         """Start a prefill step (can_start first): the head of the queue, then, FIFO, the
         requests after it that are admitted and whose uncached tokens fit in what is left of
@@ -290,13 +294,13 @@ class Replica:
         budget = self.cost.prefill_batch_tokens
         head = self.waiting[0]
         held = self._held(head)
-        left = budget - self.running - max(1, self._prompt_to_compute(head) - held) if budget else 0
+        left = budget - self.running - self._uncached(head, held) if budget else 0
         first, hit, step = self.start_prefill(held=held)
         members, own = [(first, hit)], [step]
         while left > 0 and self._admits():
             nxt = self.waiting[0]
             held = self._held(nxt)
-            need = max(1, self._prompt_to_compute(nxt) - held)
+            need = self._uncached(nxt, held)
             if need > left:
                 break
             request, hit, ms = self.start_prefill(joining=True, held=held)
@@ -319,7 +323,7 @@ class Replica:
         request (hit 0 is returned for it: its hit was counted at its first admission)."""
         request = self.waiting.popleft()
         full, last = cache_units(request, self.cost.kv_block_tokens)
-        hit = self.cache.match(request.ids, full, last) if held is None else held
+        hit = self._held(request) if held is None else held
         tokens, first = self._prompt_to_compute(request), True
         if self.preempts:
             # Admitted before (counted in the replica's counters) while it has progress.
