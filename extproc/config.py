@@ -352,6 +352,14 @@ class RoutingConfig(_Strict):
         "replicas sharing placements (peers) take a key's second rendezvous pick when, by "
         "all of their cold starts, the first has two of its cold prefills more",
     )
+    off_pick_aging: float = Field(
+        default=1.0,
+        ge=0,
+        description="a router sending under balance_min_share of what the endpoints serve "
+        "enters a request placed off every rendezvous pick of its keys in the index as if "
+        "this fraction of (1 - share) x the endpoint's cache had turned over since (other "
+        "routers' new blocks, unseen, evict a copy only this router refreshes); 0: off",
+    )
     balance_min_share: float = Field(
         default=0.9,
         ge=0,

@@ -66,11 +66,21 @@ class IndexStats:
     approx_bytes: int
 
 
+# An endpoint's turnover (PrefixIndex.stamps_per_new_block): decaying sums over about this
+# many of its latest records.
+TURNOVER_RECORDS = 1024
+
+
 @dataclass(slots=True)
 class _Region:
     offset: int  # first bucket
     buckets: int
     capacity: int  # blocks, as configured
+    # Turnover: stamps passed and blocks new to this region, decaying sums, and the
+    # stamp of its latest record.
+    stamps_seen: float = 0.0
+    new_seen: float = 0.0
+    last_stamp: int = 0
 
 
 def split_hashes(hashes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -149,6 +159,8 @@ class PrefixIndex:
         for position, (address, new) in enumerate(regions.items()):
             old = self._regions.get(address)
             if old is not None and old.capacity == new.capacity:
+                new.stamps_seen, new.new_seen = old.stamps_seen, old.new_seen
+                new.last_stamp = old.last_stamp
                 source = slice(old.offset, old.offset + old.buckets)
                 target = slice(new.offset, new.offset + new.buckets)
                 fingerprints[target] = self._fingerprints[source]
@@ -284,15 +296,24 @@ class PrefixIndex:
         if position is not None:
             self._record(position, hashes)
 
-    def record_position(self, position: int, hashes: np.ndarray) -> None:
-        self._record(position, hashes)
+    def record_position(self, position: int, hashes: np.ndarray, age: int = 0) -> None:
+        self._record(position, hashes, age)
 
-    def _record(self, position: int, hashes: np.ndarray) -> None:
+    def stamps_per_new_block(self, position: int) -> float:
+        """Stamps (blocks recorded anywhere, held or new, one apart per record) that pass
+        while one block new to this endpoint is recorded there, lately: an age in new
+        blocks x this is an age in stamps (``record_position``'s ``age``)."""
+        region = self._by_position[position]
+        return region.stamps_seen / max(1.0, region.new_seen)
+
+    def _record(self, position: int, hashes: np.ndarray, age: int = 0) -> None:
         """The endpoint now holds these blocks: refresh the held ones, insert the rest.
 
         Stamps are touch order, earlier blocks of a request newer than later ones (an LRU
         then drops a chain's tail first, as vLLM does). A new block takes an empty slot or
         the least recently touched one in its bucket, never one this request touched.
+        ``age`` (stamps): the blocks are entered as if touched that long ago, so that they
+        are evicted that much sooner (Router: a copy only this router refreshes).
         """
         count = len(hashes)
         if not count:
@@ -300,18 +321,42 @@ class PrefixIndex:
         region = self._by_position[position]
         base = self._clock
         self._clock += count + 1
+        # Stamps are unsigned and 0 marks an empty slot: an age reaches back to stamp 1.
+        back = np.uint64(min(age, base - 1))
         fingerprints, keys = self._split(hashes)
         order = np.arange(base + count, base, -1, dtype=np.uint64)  # block 0 newest
         rows = _bucket_rows(np.uint64(region.offset), np.uint64(region.buckets), keys)
-        table, stamps = self._fingerprints.reshape(-1), self._stamps.reshape(-1)  # views
+        stamps = self._stamps.reshape(-1)  # a view
         hit = np.take(self._fingerprints, rows, axis=0) == fingerprints[:, None]
         # (block, way) of every hit: one flat pass (2-D np.nonzero took ~6x as long).
         hit_slots = np.flatnonzero(hit)
         hit_blocks = hit_slots // WAYS
-        stamps[rows[hit_blocks] * WAYS + hit_slots % WAYS] = order[hit_blocks]
+        touched = rows[hit_blocks] * WAYS + hit_slots % WAYS
+        stamps[touched] = order[hit_blocks]
         pending = np.flatnonzero(hit.view(_ANY)[:, 0] == 0)
-        if not len(pending):
-            return
+        keep = 1.0 - 1.0 / TURNOVER_RECORDS
+        region.stamps_seen = keep * region.stamps_seen + (base - region.last_stamp)
+        region.new_seen = keep * region.new_seen + len(pending)
+        region.last_stamp = base
+        if len(pending):
+            touched = np.concatenate(
+                (touched, self._insert(position, rows, fingerprints, order, pending, base))
+            )
+        if back:  # after the insertion, which keeps to slots this request did not touch
+            stamps[touched] -= back
+
+    def _insert(
+        self,
+        position: int,
+        rows: np.ndarray,
+        fingerprints: np.ndarray,
+        order: np.ndarray,
+        pending: np.ndarray,
+        base: int,
+    ) -> np.ndarray:
+        """Enter a request's blocks not held (``pending``) in their buckets (``_record``);
+        returns the slots they took."""
+        table, stamps = self._fingerprints.reshape(-1), self._stamps.reshape(-1)  # views
         # In each bucket, its k-th new block (earliest first, so a chain keeps its head when
         # a bucket overflows) takes the bucket's k-th least recently touched slot, unless
         # this request touched that slot (stamp above base): then it and the later ones of
@@ -338,6 +383,7 @@ class PrefixIndex:
         self._entries[position] += int(np.count_nonzero(table[slots] == 0))
         table[slots] = fingerprints[now]
         stamps[slots] = order[now]
+        return slots
 
     def remove_position(self, position: int, hashes: np.ndarray) -> int:
         """The endpoint no longer holds these blocks (its own report: a KV-cache event):

@@ -39,6 +39,7 @@ from .scheduler import (
     EndpointTable,
     Scheduler,
     address_hash,
+    rendezvous_scores,
 )
 
 log = logging.getLogger(__name__)
@@ -211,6 +212,9 @@ class Router:
         self._peer_placed: dict[str, tuple[dict[str, float], float]] = {}
         self._peer_placed_total = np.zeros(0)
         self._peer_placed_until = -math.inf
+        # Until when the index is told of more than this router's own placements (KV-cache
+        # events, peers' placements): then it ages no copy (_age_off_pick).
+        self._index_shared_until = -math.inf
         self._alone_cold_margin = self.cost.cold_margin
         self.set_endpoints(endpoints)
         self.endpoints_known = endpoints_known  # (set_endpoints sets it)
@@ -906,15 +910,18 @@ class Router:
             prompt_tokens=len(request.prompt) / cfg.bytes_per_token,
             block_tokens=cfg.block_size_bytes / cfg.bytes_per_token,
             hashes=hashes,
-            group_key=group_key(
-                request,
-                hashes,
-                cfg.block_size_bytes,
-                cfg.cold_start_key,
-                cfg.shared_prefix_fraction,
+            group_key=(
+                preamble := group_key(
+                    request,
+                    hashes,
+                    cfg.block_size_bytes,
+                    cfg.cold_start_key,
+                    cfg.shared_prefix_fraction,
+                )
             ),
             turnless=not keyed_by_turns(request, cfg.cold_start_key),
         )
+        decision.home_keys = tuple({key, preamble, decision.placement_key} - {0})
         decision.hashes = hashes
         decision.engine_requests = request.engine_requests
         if decision.endpoint is not None:
@@ -946,8 +953,33 @@ class Router:
         # (set_health emptied its index: a restarted server comes back with an empty cache),
         # nor one not ready whose index was emptied so (_holds_what_it_is_sent).
         if i is not None and self._holds_what_it_is_sent(i):
-            self._update(i, True, decision.hashes)
+            self._update(i, True, decision.hashes, self._age_off_pick(i, decision))
             self._log_placement(address, decision.hashes)
+
+    def _age_off_pick(self, i: int, decision: Decision) -> int:
+        """How long ago (index stamps) a placement on endpoint ``i`` counts as touched: 0,
+        unless this router is one of several without a shared view (its traffic share under
+        balance_min_share) and ``i`` is not the rendezvous pick of any key the request could
+        be placed by. Such a copy (a move off a busy pick) is refreshed by this router
+        alone: the others' requests go to the pick, and their new blocks, which this index
+        never sees, turn the endpoint's cache over 1 / share times as fast as this router's
+        own. Entered as if (1 - share) x the cache had turned over since, the copy leaves the
+        index about when it leaves the server, and a later request goes back to the pick
+        instead of to a prefix gone (simulated K=4, docs/benchmarks.md). Not while KV-cache
+        events (evictions told) or peers' placements (the others' copies seen) come in."""
+        share = self._traffic_share
+        aging = self.config.off_pick_aging
+        if not aging or not self._share_measured or share >= self.config.balance_min_share:
+            return 0
+        if self.clock() <= self._index_shared_until:
+            return 0  # the events' evictions, or the peers' placements, keep the index
+        healthy = np.flatnonzero(self._healthy)
+        hashes = self._address_hash[healthy]
+        for key in decision.home_keys:
+            if healthy[int(np.argmax(rendezvous_scores(key, hashes)))] == i:
+                return 0
+        turned_over = aging * (1.0 - share) * self._capacity_blocks[i]
+        return int(turned_over * self.index.stamps_per_new_block(i))
 
     def _holds_what_it_is_sent(self, i: int) -> bool:
         """Whether a placement there (this router's deferred record, a peer's, which may
@@ -1055,6 +1087,7 @@ class Router:
             chains = [hashes for _, hashes in run if len(hashes)]
             if alone or not chains:
                 continue
+            self._index_shared_until = self.clock() + PEER_FORGET_SECONDS
             if stored:
                 self._record_newest_first(i, chains[::-1])  # the newest event's blocks newest
             else:
@@ -1088,6 +1121,8 @@ class Router:
                 recorded += 1
         for i, chains in by_position.items():
             self._record_newest_first(i, chains)
+        if recorded:
+            self._index_shared_until = self.clock() + PEER_FORGET_SECONDS
         return recorded
 
     def _record_newest_first(self, i: int, chains: Sequence[np.ndarray]) -> None:
@@ -1100,11 +1135,11 @@ class Router:
         self._update(i, True, hashes[newest])
 
     # -- index updates ----------------------------------------------------------------------
-    def _update(self, i: int, stored: bool, hashes: np.ndarray) -> None:
+    def _update(self, i: int, stored: bool, hashes: np.ndarray, age: int = 0) -> None:
         """Blocks endpoint ``i`` now holds (``stored``) or evicted, journalled while its
         index region has its provisional size (Journal)."""
         if stored:
-            self.index.record_position(i, hashes)
+            self.index.record_position(i, hashes, age)
         else:
             self.index.remove_position(i, hashes)
         if self._unsized:

@@ -333,6 +333,9 @@ class Decision:
     total_blocks: int = 0
     matched_blocks: int = 0
     placement_key: int = 0
+    # The keys a cold start of its session would be placed by (its own, its preamble's):
+    # Router._age_off_pick.
+    home_keys: tuple[int, ...] = ()
     # Kept for correcting the index if Envoy reports another served endpoint.
     hashes: Sequence[int] | np.ndarray = ()
     # Where Envoy says the request really went, when that differs from ``endpoint``.

@@ -40,6 +40,43 @@ def test_a_full_bucket_evicts_its_least_recent_block_and_chains_lose_their_tail_
     assert index.match(np.concatenate([old[:2], new]), ["a"]) == {"a": 4}
 
 
+def test_a_record_entered_as_touched_long_ago_is_evicted_before_older_ones():
+    """``age``: blocks entered as if touched that many stamps ago (Router._age_off_pick: a
+    copy only this router refreshes), new and refreshed alike, go before blocks recorded
+    earlier; the turnover a stamp age is measured in follows the endpoint's new blocks."""
+    rng = random.Random(3)
+    for aged in (False, True):
+        index = PrefixIndex()
+        index.set_endpoints({"a": WAYS, "b": 1000})  # a: a single bucket, an exact LRU
+        index.record("b", chain(rng, 200))  # stamps to reach back over
+        first, copy, later = chain(rng, 2), chain(rng, 2), chain(rng, 4)
+        index.record("a", first)
+        index.record("a", copy)
+        index.record_position(0, copy, age=50 if aged else 0)  # refreshed (held already)
+        index.record("a", later)
+        index.record("a", chain(rng, 2))  # a full bucket: two go
+        assert index.match(copy, ["a"]) == ({} if aged else {"a": 2})
+        assert index.match(first, ["a"]) == ({"a": 2} if aged else {})
+        assert index.match(later, ["a"]) == {"a": 4}
+    blocks = chain(rng, 4)
+    index.record_position(0, blocks, age=50)  # new blocks, aged past every one in "a"
+    index.record("a", chain(rng, 4))
+    index.record("a", chain(rng, 4))  # evicts the aged ones, not the four after them
+    assert index.match(blocks, ["a"]) == {}
+    # Records of 4 new blocks, 5 stamps apart (4 blocks + 1): 1.25 stamps per new block;
+    # a record of held blocks adds stamps only.
+    index = one(1000)
+    for _ in range(200):
+        index.record("a", chain(rng, 4))
+    assert index.stamps_per_new_block(0) == pytest.approx(1.25, rel=0.02)
+    index, held = one(1000), chain(rng, 4)
+    index.record("a", held)
+    for _ in range(200):
+        index.record("a", held)
+        index.record("a", chain(rng, 4))
+    assert index.stamps_per_new_block(0) == pytest.approx(2.5, rel=0.1)
+
+
 def test_a_match_bridges_short_holes_and_ends_at_gap_missing_blocks():
     """Bucket-local eviction drops single blocks the endpoint still holds: fewer than GAP
     missing in a row are bridged. A model server evicts from the tail: GAP in a row end it."""

@@ -1817,3 +1817,54 @@ def test_n_samples_in_flight_are_not_read_as_another_routers_load():
     for decision in decisions:
         router.finish(decision)
     assert sum(router.in_flight().values()) == 0
+
+
+def test_a_copy_off_the_rendezvous_pick_leaves_the_index_sooner_when_other_routers_serve_most():
+    """A router with a quarter of the traffic enters a request it placed off every
+    rendezvous pick of its keys as if three quarters of the endpoint's cache had turned
+    over since (the other routers' new blocks there, unseen): after half a cache of new
+    blocks more it is gone, while the same copy on the pick, and any copy by a router
+    alone, with the setting at 0, or with an index told of more than its own placements
+    (peers' placements, KV-cache events), is still held."""
+    capacity_tokens = 16_384  # 1,024 index blocks of 64 bytes
+    endpoints = [
+        EndpointConfig(address=f"10.0.0.{i}:8000", capacity_tokens=capacity_tokens)
+        for i in range(1, 5)
+    ]
+
+    def prompt(name: str):  # 64 blocks, no prefix in common with another name's
+        return chat(f"{name} question " * 300, system=f"{name} system")
+
+    def pick_of(request) -> str:  # its cold start where nothing is queued: the pick
+        return Router(RoutingConfig(), endpoints).route(request).endpoint
+
+    copy = prompt("copy")
+    pick = pick_of(copy)
+    off = next(e.address for e in endpoints if e.address != pick)
+    held: dict[tuple[str, float, float, str], int] = {}
+    cases = [(1.0, 1.0, ""), (0.25, 1.0, ""), (0.25, 0.0, ""), (0.25, 1.0, "peer placements")]
+    cases.append((0.25, 1.0, "cache events"))
+    for share, aging, told in cases:
+        for where in (off, pick):
+            router = Router(RoutingConfig(off_pick_aging=aging), endpoints)
+            for i in range(24):
+                router.finish(router.route(chat(f"conversation {i} " * 30)))
+            _report_finished(router, 1.0 / share)
+            assert router.traffic_share == pytest.approx(share)
+            other = np.array([1, 2, 3], dtype=np.uint64)
+            if told == "peer placements":  # the index sees the others' copies
+                router.observe_peer_placements([Placement("peer", pick, other)])
+            elif told == "cache events":  # the index is told of evictions
+                router.observe_cache_events(pick, [(True, other)])
+            only = frozenset({where})
+            for i in range(24):  # a cache and a half of other prompts there first
+                router.finish(router.route(prompt(f"before {i}"), allowed=only))
+            placed = router.route(copy, allowed=only)
+            router.finish(placed)
+            for i in range(8):  # half a cache more
+                router.finish(router.route(prompt(f"after {i}"), allowed=only))
+            matched = router.index.match(placed.hashes, [where]).get(where, 0)
+            held["off" if where == off else "pick", share, aging, told] = matched
+    blocks = len(placed.hashes)
+    assert held.pop(("off", 0.25, 1.0, "")) < blocks // 2  # (15 of 66 when written)
+    assert held == dict.fromkeys(held, blocks)
