@@ -151,7 +151,8 @@ class PrefixIndex:
         offset = 0
         for address, capacity in capacities.items():
             buckets = _buckets_for(capacity)
-            regions[address] = _Region(offset, buckets, capacity)
+            # (turnover counted from now: an endpoint added later has no stamps before)
+            regions[address] = _Region(offset, buckets, capacity, last_stamp=self._clock - 1)
             offset += buckets
         fingerprints = np.zeros((offset, WAYS), dtype=np.uint32)
         stamps = np.zeros((offset, WAYS), dtype=np.uint64)

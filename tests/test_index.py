@@ -75,6 +75,11 @@ def test_a_record_entered_as_touched_long_ago_is_evicted_before_older_ones():
         index.record("a", held)
         index.record("a", chain(rng, 4))
     assert index.stamps_per_new_block(0) == pytest.approx(2.5, rel=0.1)
+    # An endpoint added later counts from then, not from the first stamp there ever was.
+    index.set_endpoints({"a": 1000, "late": 1000})
+    for _ in range(40):
+        index.record("late", chain(rng, 4))
+    assert index.stamps_per_new_block(1) == pytest.approx(1.25, rel=0.05)
 
 
 def test_a_match_bridges_short_holes_and_ends_at_gap_missing_blocks():
