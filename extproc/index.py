@@ -314,7 +314,8 @@ class PrefixIndex:
         then drops a chain's tail first, as vLLM does). A new block takes an empty slot or
         the least recently touched one in its bucket, never one this request touched.
         ``age`` (stamps): the blocks are entered as if touched that long ago, so that they
-        are evicted that much sooner (Router: a copy only this router refreshes).
+        are evicted that much sooner (Router: a copy only this router refreshes); a held
+        block keeps its stamp if that is newer.
         """
         count = len(hashes)
         if not count:
@@ -332,19 +333,20 @@ class PrefixIndex:
         # (block, way) of every hit: one flat pass (2-D np.nonzero took ~6x as long).
         hit_slots = np.flatnonzero(hit)
         hit_blocks = hit_slots // WAYS
-        touched = rows[hit_blocks] * WAYS + hit_slots % WAYS
-        stamps[touched] = order[hit_blocks]
+        held = rows[hit_blocks] * WAYS + hit_slots % WAYS
+        before = stamps[held] if back else None
+        stamps[held] = order[hit_blocks]
         pending = np.flatnonzero(hit.view(_ANY)[:, 0] == 0)
         keep = 1.0 - 1.0 / TURNOVER_RECORDS
         region.stamps_seen = keep * region.stamps_seen + (base - region.last_stamp)
         region.new_seen = keep * region.new_seen + len(pending)
         region.last_stamp = base
-        if len(pending):
-            touched = np.concatenate(
-                (touched, self._insert(position, rows, fingerprints, order, pending, base))
-            )
+        entered = self._insert(position, rows, fingerprints, order, pending, base)
         if back:  # after the insertion, which keeps to slots this request did not touch
-            stamps[touched] -= back
+            stamps[entered] -= back
+            # An aged refresh never makes a block older than it was (another request,
+            # not aged, may have touched it lately).
+            stamps[held] = np.maximum(before, order[hit_blocks] - back)
 
     def _insert(
         self,
@@ -357,6 +359,8 @@ class PrefixIndex:
     ) -> np.ndarray:
         """Enter a request's blocks not held (``pending``) in their buckets (``_record``);
         returns the slots they took."""
+        if not len(pending):
+            return pending
         table, stamps = self._fingerprints.reshape(-1), self._stamps.reshape(-1)  # views
         # In each bucket, its k-th new block (earliest first, so a chain keeps its head when
         # a bucket overflows) takes the bucket's k-th least recently touched slot, unless

@@ -872,6 +872,7 @@ class Router:
         serving = self.models.eligible(request.model, usable, now)
         if serving is not None:
             usable = usable & serving
+        pool = usable  # what any router replica would place this model's requests on
         if allowed is not None:  # O(size of the hint), not O(endpoints)
             hinted = np.zeros(len(self._addresses), dtype=bool)
             hinted[[i for a in allowed if (i := self._position.get(a)) is not None]] = True
@@ -922,6 +923,7 @@ class Router:
             turnless=not keyed_by_turns(request, cfg.cold_start_key),
         )
         decision.home_keys = tuple({key, preamble, decision.placement_key} - {0})
+        decision.home_pool = pool
         decision.hashes = hashes
         decision.engine_requests = request.engine_requests
         if decision.endpoint is not None:
@@ -960,7 +962,8 @@ class Router:
         """How long ago (index stamps) a placement on endpoint ``i`` counts as touched: 0,
         unless this router is one of several without a shared view (its traffic share under
         balance_min_share) and ``i`` is not the rendezvous pick of any key the request could
-        be placed by. Such a copy (a move off a busy pick) is refreshed by this router
+        be placed by, among the endpoints ready to serve its model (before the proxy's
+        subset hint: the pick other routers' cold starts make). Such a copy (a move off a busy pick) is refreshed by this router
         alone: the others' requests go to the pick, and their new blocks, which this index
         never sees, turn the endpoint's cache over 1 / share times as fast as this router's
         own. Entered as if (1 - share) x the cache had turned over since, the copy leaves the
@@ -973,10 +976,14 @@ class Router:
             return 0
         if self.clock() <= self._index_shared_until:
             return 0  # the events' evictions, or the peers' placements, keep the index
-        healthy = np.flatnonzero(self._healthy)
-        hashes = self._address_hash[healthy]
+        if decision.home_pool is None or len(decision.home_pool) != len(self._addresses):
+            return 0  # (the endpoint set changed since it was routed)
+        pool = np.flatnonzero(decision.home_pool)
+        if not len(pool):
+            return 0
+        hashes = self._address_hash[pool]
         for key in decision.home_keys:
-            if healthy[int(np.argmax(rendezvous_scores(key, hashes)))] == i:
+            if pool[int(np.argmax(rendezvous_scores(key, hashes)))] == i:
                 return 0
         turned_over = aging * (1.0 - share) * self._capacity_blocks[i]
         return int(turned_over * self.index.stamps_per_new_block(i))

@@ -336,6 +336,8 @@ class Decision:
     # The keys a cold start of its session would be placed by (its own, its preamble's):
     # Router._age_off_pick.
     home_keys: tuple[int, ...] = ()
+    # The endpoints ready to serve its model when it was routed (a mask by router position).
+    home_pool: np.ndarray | None = None
     # Kept for correcting the index if Envoy reports another served endpoint.
     hashes: Sequence[int] | np.ndarray = ()
     # Where Envoy says the request really went, when that differs from ``endpoint``.

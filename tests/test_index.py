@@ -43,7 +43,8 @@ def test_a_full_bucket_evicts_its_least_recent_block_and_chains_lose_their_tail_
 def test_a_record_entered_as_touched_long_ago_is_evicted_before_older_ones():
     """``age``: blocks entered as if touched that many stamps ago (Router._age_off_pick: a
     copy only this router refreshes), new and refreshed alike, go before blocks recorded
-    earlier; the turnover a stamp age is measured in follows the endpoint's new blocks."""
+    earlier, unless touched lately without age; the turnover a stamp age is measured in
+    follows the endpoint's new blocks."""
     rng = random.Random(3)
     for aged in (False, True):
         index = PrefixIndex()
@@ -51,13 +52,21 @@ def test_a_record_entered_as_touched_long_ago_is_evicted_before_older_ones():
         index.record("b", chain(rng, 200))  # stamps to reach back over
         first, copy, later = chain(rng, 2), chain(rng, 2), chain(rng, 4)
         index.record("a", first)
-        index.record("a", copy)
+        index.record_position(0, copy, age=50 if aged else 0)  # new
         index.record_position(0, copy, age=50 if aged else 0)  # refreshed (held already)
         index.record("a", later)
         index.record("a", chain(rng, 2))  # a full bucket: two go
         assert index.match(copy, ["a"]) == ({} if aged else {"a": 2})
         assert index.match(first, ["a"]) == ({"a": 2} if aged else {})
         assert index.match(later, ["a"]) == {"a": 4}
+        # An aged refresh of blocks touched lately without age leaves them as new as they were.
+        first, shared, later = chain(rng, 2), chain(rng, 2), chain(rng, 4)
+        index.record("a", first)
+        index.record("a", shared)
+        index.record_position(0, shared, age=50 if aged else 0)
+        index.record("a", later)
+        index.record("a", chain(rng, 2))
+        assert (index.match(first, ["a"]), index.match(shared, ["a"])) == ({}, {"a": 2})
     blocks = chain(rng, 4)
     index.record_position(0, blocks, age=50)  # new blocks, aged past every one in "a"
     index.record("a", chain(rng, 4))

@@ -1825,14 +1825,15 @@ def test_a_copy_off_the_rendezvous_pick_leaves_the_index_sooner_when_other_route
     over since (the other routers' new blocks there, unseen): after half a cache of new
     blocks more it is gone, while the same copy on the pick, and any copy by a router
     alone, with the setting at 0, or with an index told of more than its own placements
-    (peers' placements, KV-cache events), is still held."""
+    (peers' placements, KV-cache events), is still held; and so is a copy on the pick among
+    the endpoints serving its model, though another model's endpoint is the pick of all."""
     capacity_tokens = 16_384  # 1,024 index blocks of 64 bytes
     endpoints = [
         EndpointConfig(address=f"10.0.0.{i}:8000", capacity_tokens=capacity_tokens)
         for i in range(1, 5)
     ]
 
-    def prompt(name: str):  # 64 blocks, no prefix in common with another name's
+    def prompt(name: str):  # 66 blocks, no prefix in common with another name's
         return chat(f"{name} question " * 300, system=f"{name} system")
 
     def pick_of(request) -> str:  # its cold start where nothing is queued: the pick
@@ -1868,3 +1869,20 @@ def test_a_copy_off_the_rendezvous_pick_leaves_the_index_sooner_when_other_route
     blocks = len(placed.hashes)
     assert held.pop(("off", 0.25, 1.0, "")) < blocks // 2  # (15 of 66 when written)
     assert held == dict.fromkeys(held, blocks)
+    # The pick is among the endpoints serving the request's model: where only ``off``
+    # serves it (another model the other three), a copy there is on its pick and kept.
+    router = Router(RoutingConfig(), endpoints)
+    for e in endpoints:
+        router.observe_models(e.address, frozenset({"m" if e.address == off else "n"}))
+    own_pick = off
+    for i in range(24):
+        router.finish(router.route(chat(f"conversation {i} " * 30)))
+    _report_finished(router, 4.0)
+    only = frozenset({own_pick})
+    for i in range(24):
+        router.finish(router.route(prompt(f"before {i}"), allowed=only))
+    placed = router.route(copy, allowed=only)
+    router.finish(placed)
+    for i in range(8):
+        router.finish(router.route(prompt(f"after {i}"), allowed=only))
+    assert router.index.match(placed.hashes, [own_pick]) == {own_pick: blocks}
