@@ -963,13 +963,14 @@ class Router:
         unless this router is one of several without a shared view (its traffic share under
         balance_min_share) and ``i`` is not the rendezvous pick of any key the request could
         be placed by, among the endpoints ready to serve its model (before the proxy's
-        subset hint: the pick other routers' cold starts make). Such a copy (a move off a busy pick) is refreshed by this router
-        alone: the others' requests go to the pick, and their new blocks, which this index
-        never sees, turn the endpoint's cache over 1 / share times as fast as this router's
-        own. Entered as if (1 - share) x the cache had turned over since, the copy leaves the
-        index about when it leaves the server, and a later request goes back to the pick
-        instead of to a prefix gone (simulated K=4, docs/benchmarks.md). Not while KV-cache
-        events (evictions told) or peers' placements (the others' copies seen) come in."""
+        subset hint: the pick other routers' cold starts make). Such a copy (a move off a
+        busy pick) is refreshed by this router alone: the others' requests go to the pick,
+        and their new blocks, which this index never sees, turn the endpoint's cache over
+        1 / share times as fast as this router's own. Entered as if (1 - share) x the cache
+        had turned over since, the copy leaves the index about when it leaves the server,
+        and a later request goes back to the pick instead of to a prefix gone (simulated
+        K=4, docs/benchmarks.md). Not while KV-cache events (evictions told) or peers'
+        placements (the others' copies seen) come in."""
         share = self._traffic_share
         aging = self.config.off_pick_aging
         if not aging or not self._share_measured or share >= self.config.balance_min_share:
