@@ -60,13 +60,13 @@ The algorithm, top to bottom:
    routers' requests make on every endpoint: while that lasts, the pick's extra queue
    passes and a copy elsewhere stays). For a new conversation whose preamble (system
    prompt, tools) is at least shared_prefix_fraction of its first turn and not popular,
-   the key is the preamble's (hashing.group_key), here and for rule 2's new sessions. Queued work only: a cheaper
-   prefill where a shared preamble is cached must not count (see below). Independent
-   router replicas with empty indexes agree on this choice whenever the top endpoint is not
-   overloaded, so a conversation's turns meet on one endpoint without shared state. A match
-   on a short shared preamble alone (one system prompt for every conversation, under
-   shared_prefix_fraction of the prompt) does not count:
-   following it would pile every new conversation onto the first endpoint that saw the
+   the key is the preamble's (hashing.group_key), here and for rule 2's new sessions.
+   Queued work only: a cheaper prefill where a shared preamble is cached must not count
+   (see below). Independent router replicas with empty indexes agree on this choice
+   whenever the top endpoint is not overloaded, so a conversation's turns meet on one
+   endpoint without shared state. A match on a short shared preamble alone (one system
+   prompt for every conversation, under shared_prefix_fraction of the prompt) does not
+   count: following it would pile every new conversation onto the first endpoint that saw the
    preamble, while spreading costs one preamble prefill per endpoint, once. A long shared
    prefix (a document with short questions) does count: there following it saves most of
    the prefill and keeps one copy of the document instead of one per endpoint.
