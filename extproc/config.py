@@ -322,6 +322,16 @@ class RoutingConfig(_Strict):
         description="cold_margin once this router sends at most half of what the endpoints "
         "serve (several router replicas); linear in between; = cold_margin: off",
     )
+    # 4 since 2026-12-06 (Dec 6, thirty-second session): four router replicas on the
+    # simulator's grids kept more of one router's hit ratio where keys come back (documents,
+    # conversations), and the Mooncake trace's mostly one-off keys keep the queues' margin.
+    recurring_cold_margin: float = Field(
+        default=4.0,
+        ge=0,
+        description="cold prefills added to the shared cold-start margin when every request "
+        "comes back to a placement key this router has seen; from none at a recurrence of "
+        "0.3, linear; a router alone: none",
+    )
     min_match_blocks: int = Field(
         default=1, ge=1, description="fewest matched blocks that count as holding a prefix"
     )

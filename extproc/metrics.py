@@ -171,7 +171,16 @@ class RouterMetrics:
         self.cold_margin = gauge(
             "prefix_router_cold_margin",
             "Cold-start margin in use: routing.cold_margin alone, up to "
-            "routing.shared_cold_margin as the traffic share falls to a half",
+            "routing.shared_cold_margin as the traffic share falls to a half (before what "
+            "recurring keys add: prefix_router_key_recurrence)",
+            (),
+            "liveall",
+        )
+        self.key_recurrence = gauge(
+            "prefix_router_key_recurrence",
+            "Share of this router's recent requests whose placement key it had seen before "
+            "(0.5 until measured); over 0.3, a router sharing the endpoints widens its "
+            "cold-start margin by up to routing.recurring_cold_margin cold prefills",
             (),
             "liveall",
         )
@@ -280,6 +289,7 @@ class RouterMetrics:
         self.peers.set(len(router.peers()))
         self.traffic_share.set(router.traffic_share)
         self.cold_margin.set(router.cold_margin)
+        self.key_recurrence.set(router.key_recurrence)
         healthy = set(router.healthy_endpoints())
         for address in router.endpoints:
             self.healthy.labels(address).set(1 if address in healthy else 0)

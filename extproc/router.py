@@ -612,8 +612,15 @@ class Router:
 
     @property
     def cold_margin(self) -> float:
-        """The cold-start margin in use (``_learn_traffic_share``)."""
+        """The cold-start margin in use (``_learn_traffic_share``), before what recurring
+        keys add to it (CostModel.recurring_margin)."""
         return self.cost.cold_margin
+
+    @property
+    def key_recurrence(self) -> float:
+        """The share of this router's recent requests whose placement key it had seen
+        before (recurrence.py)."""
+        return self.scheduler.recurrence.rate
 
     @property
     def prefill_rate(self) -> float:

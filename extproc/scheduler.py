@@ -93,6 +93,7 @@ from xxhash import xxh3_64_intdigest
 
 from .config import RoutingConfig
 from .popularity import PrefixPopularity
+from .recurrence import KeyRecurrence
 
 RULE_AFFINITY = "prefix_affinity"
 RULE_COLD_START = "cold_start_hash"
@@ -112,6 +113,11 @@ SHARED_BALANCE_MARGIN = 2.0
 # the rendezvous order alone, would not otherwise find again; and while other routers'
 # requests wait on every endpoint, a key placed before keeps to its rendezvous pick.
 HOME_KEYS = 65_536
+# Router replicas without shared placements widen a cold start's margin only when more than
+# this share of the requests come back to a key seen before (CostModel.recurring_margin):
+# one router's share of the Mooncake trace at K=4 is 0.19, of the GAIE and llm-d shapes'
+# 0.78, and of GAIE's long questions 0.89.
+RECURRENCE_THRESHOLD = 0.3
 
 
 @dataclass(frozen=True, slots=True)
@@ -209,6 +215,9 @@ class CostModel:
     long_prefix_stickiness: float = 16.0
     # Stickiness added per request's worth of prefill queued everywhere (see backlog_premium).
     backlog_stickiness: float = 1.0
+    # Cold prefills added to a shared cold-start margin when every key recurs (see
+    # recurring_margin).
+    recurring_cold_margin: float = 4.0
     # Engines batch the prefills queued together (vLLM fills a step with up to
     # max_num_batched_tokens): a request sent where prefill work is queued, whose uncached
     # tokens fit in a step, adds them to one, not a step's fixed cost (0: every request pays it).
@@ -227,8 +236,20 @@ class CostModel:
             long_prefix_tokens=config.long_prefix_tokens,
             long_prefix_stickiness=config.long_prefix_stickiness,
             backlog_stickiness=config.backlog_stickiness,
+            recurring_cold_margin=config.recurring_cold_margin,
             batch_tokens=config.prefill_batch_tokens,
         )
+
+    def recurring_margin(self, recurrence: float) -> float:
+        """Cold prefills a cold start's margin widens by when this router shares the
+        endpoints (stickiness_floor) and ``recurrence`` of its requests come back to a key
+        it has seen (recurrence.py): none up to RECURRENCE_THRESHOLD, recurring_cold_margin
+        at 1, linear in between. A copy off the rendezvous pick then serves this router's
+        later requests alone while the other routers' go to the pick."""
+        if not self.recurring_cold_margin or not self.stickiness_floor:
+            return 0.0
+        over = (recurrence - RECURRENCE_THRESHOLD) / (1.0 - RECURRENCE_THRESHOLD)
+        return self.recurring_cold_margin * self.stickiness_floor * max(0.0, over)
 
     def for_held(self, held_tokens: float) -> CostModel:
         """The model that prices a request whose longest held prefix is ``held_tokens``: a
@@ -396,6 +417,7 @@ class Scheduler:
         self.config = config
         self.cost = cost or CostModel.from_config(config)
         self.popularity = PrefixPopularity(config.popularity_window)
+        self.recurrence = KeyRecurrence()
         # Placement key -> address hash of the endpoint a cold start placed it on.
         self.homes: OrderedDict[int, int] = OrderedDict()
 
@@ -495,6 +517,7 @@ class Scheduler:
             # asking for half the prompt re-placed it by rendezvous, away from a holder the
             # queued-work margin had chosen (chat-form GAIE 8 x 100k: 0.855 -> 0.876).
             needed = max(cfg.min_match_blocks, min(needed, cfg.cold_start_blocks))
+        self.recurrence.observe(key)
         rendezvous = rendezvous_scores(key, table.address_hash)
         if best_eligible_match >= needed and total_blocks and not popular:
             # Only a shared prefix is held, not the session's own: a new session.
@@ -537,6 +560,7 @@ class Scheduler:
                 # trace's keys come once or twice, and there the queues keep the tails short.
                 others = np.broadcast_to(table.backlog, work.shape)[eligible]
                 limit += model.backlog_stickiness * float(others.min())
+            limit += model.recurring_margin(self.recurrence.rate) * cold_prefill
             score = (work <= limit).astype(np.float64)
             if table.placed is not None:
                 score = 3.0 * score + self._balance(
