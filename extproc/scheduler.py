@@ -58,9 +58,12 @@ The algorithm, top to bottom:
    exceeds the least-loaded one's by more than cold_margin x the request's own cold
    prefill (for a key this router placed before, plus backlog_stickiness x the queue other
    routers' requests make on every endpoint: while that lasts, the pick's extra queue
-   passes and a copy elsewhere stays). For a new conversation whose preamble (system
-   prompt, tools) is at least shared_prefix_fraction of its first turn and not popular,
-   the key is the preamble's (hashing.group_key), here and for rule 2's new sessions.
+   passes and a copy elsewhere stays; and for a router among several, plus up to
+   recurring_cold_margin cold prefills as its requests come back to keys it has seen:
+   a copy off the pick then serves its requests alone, recurrence.py). For a new
+   conversation whose preamble (system prompt, tools) is at least shared_prefix_fraction
+   of its first turn and not popular, the key is the preamble's (hashing.group_key),
+   here and for rule 2's new sessions.
    Queued work only: a cheaper prefill where a shared preamble is cached must not count
    (see below). Independent router replicas with empty indexes agree on this choice
    whenever the top endpoint is not overloaded, so a conversation's turns meet on one

@@ -1779,6 +1779,56 @@ def test_a_key_placed_before_keeps_to_its_pick_while_a_backlog_lasts_everywhere(
     assert off.pick(table(queued, 100_000.0), prompt, key=key).endpoint == other
 
 
+def test_router_replicas_keep_a_cold_start_on_its_pick_while_keys_come_back():
+    """A router among several (the shared margin: one cold prefill, stickiness_floor 1) moves a
+    cold start off its rendezvous pick queued past the margin while most requests bring keys
+    it has not seen; once most come back to keys seen before (a few hundred documents'
+    questions, conversations' later turns), a copy off the pick would serve this router's
+    requests alone, and the margin widens by up to recurring_cold_margin cold prefills. A
+    router alone (stickiness_floor 0), or with the option off, keeps the queues' margin."""
+    addresses = [e.address for e in ENDPOINTS[:2]]
+    hashes = np.array([address_hash(a) for a in addresses], dtype=np.uint64)
+    prompt, key = 2304, 7
+
+    def table(work: list[float]) -> EndpointTable:
+        return EndpointTable(
+            addresses=addresses,
+            load=np.zeros(2),
+            work=np.array(work),
+            matched=np.zeros(2, dtype=np.int64),
+            address_hash=hashes,
+        )
+
+    def scheduler(keys: list[int], floor: float = 1.0, **routing: float) -> Scheduler:
+        config = RoutingConfig(**routing)
+        cost = CostModel.from_config(config)
+        cost = dataclasses.replace(cost, cold_margin=1.0, stickiness_floor=floor)
+        placed = Scheduler(config, cost)
+        for k in keys:
+            placed.recurrence.observe(k)
+        return placed
+
+    pick = Scheduler(RoutingConfig()).pick(table([0.0, 0.0]), prompt, key=key).endpoint
+    other = next(a for a in addresses if a != pick)
+    # 2.5 cold prefills past the least: over the shared margin (1) and the margin until
+    # measured (2.1), within the margin when every key comes back (5).
+    gap = 2.5 * CostModel().prefill(prompt, 0)
+    queued = [gap if a == pick else 0.0 for a in addresses]
+    once = list(range(100, 3100))  # every key new: recurrence near 0
+    again = [i % 50 for i in range(3000)]  # fifty documents asked in turn: near 1
+    assert scheduler(once).pick(table(queued), prompt, key=key).endpoint == other
+    recurring = scheduler(again)
+    assert recurring.recurrence.rate > 0.99
+    assert recurring.pick(table(queued), prompt, key=key).endpoint == pick
+    assert scheduler(again, floor=0.0).pick(table(queued), prompt, key=key).endpoint == other
+    off = scheduler(again, recurring_cold_margin=0.0)
+    assert off.pick(table(queued), prompt, key=key).endpoint == other
+    # Until measured (0.5): a little wider than the shared margin, not the whole addition.
+    fresh = scheduler([])
+    assert fresh.cost.recurring_margin(fresh.recurrence.rate) == pytest.approx(4 * 0.2 / 0.7)
+    assert fresh.pick(table(queued), prompt, key=key).endpoint == other
+
+
 def test_a_request_for_n_samples_counts_as_the_n_requests_the_server_counts():
     """vLLM runs and counts each of n samples (and each prompt of a completions batch) as a
     request of its own (measured on vLLM 0.32: n=3 adds 3 to its finished prefills): a
