@@ -928,6 +928,7 @@ class Router:
                 )
             ),
             turnless=not keyed_by_turns(request, cfg.cold_start_key),
+            index_shared=self.clock() <= self._index_shared_until,
         )
         decision.home_keys = tuple({key, preamble, decision.placement_key} - {0})
         decision.home_pool = pool

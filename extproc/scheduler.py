@@ -435,13 +435,17 @@ class Scheduler:
         hashes: np.ndarray | None = None,
         group_key: int = 0,
         turnless: bool = False,
+        index_shared: bool = False,
     ) -> Decision:
         """``prompt_tokens`` defaults to ``total_blocks`` x ``block_tokens``. ``hashes`` (the
         request's block hashes) name the shared prefix a new session matches, for
         ``popularity``; without them every shared prefix counts as a group's. ``group_key``
         (hashing.group_key; 0: none) places a new session instead of ``key`` while its
         preamble is not popular. ``turnless``: a completion, whose session the router cannot
-        tell by its turns (session_blocks is then the first cold_start_blocks)."""
+        tell by its turns (session_blocks is then the first cold_start_blocks).
+        ``index_shared``: the router's index is told of more than its own placements (peers'
+        placements, KV-cache events): a copy off the pick is then found by the others too,
+        and recurring keys add nothing to the cold-start margin."""
         if prompt_tokens is None:
             prompt_tokens = total_blocks * block_tokens
         count = len(table)
@@ -563,7 +567,8 @@ class Scheduler:
                 # trace's keys come once or twice, and there the queues keep the tails short.
                 others = np.broadcast_to(table.backlog, work.shape)[eligible]
                 limit += model.backlog_stickiness * float(others.min())
-            limit += model.recurring_margin(self.recurrence.rate) * cold_prefill
+            if not index_shared:
+                limit += model.recurring_margin(self.recurrence.rate) * cold_prefill
             score = (work <= limit).astype(np.float64)
             if table.placed is not None:
                 score = 3.0 * score + self._balance(

@@ -1820,6 +1820,9 @@ def test_router_replicas_keep_a_cold_start_on_its_pick_while_keys_come_back():
     recurring = scheduler(again)
     assert recurring.recurrence.rate > 0.99
     assert recurring.pick(table(queued), prompt, key=key).endpoint == pick
+    # An index told of the others' placements or evictions finds a copy off the pick too.
+    shared = recurring.pick(table(queued), prompt, key=key, index_shared=True)
+    assert shared.endpoint == other
     assert scheduler(again, floor=0.0).pick(table(queued), prompt, key=key).endpoint == other
     off = scheduler(again, recurring_cold_margin=0.0)
     assert off.pick(table(queued), prompt, key=key).endpoint == other
@@ -1827,6 +1830,22 @@ def test_router_replicas_keep_a_cold_start_on_its_pick_while_keys_come_back():
     fresh = scheduler([])
     assert fresh.cost.recurring_margin(fresh.recurrence.rate) == pytest.approx(4 * 0.2 / 0.7)
     assert fresh.pick(table(queued), prompt, key=key).endpoint == other
+    # The router tells the scheduler while peers' placements or KV-cache events come in.
+    for told in ("", "peer placements", "cache events"):
+        router = Router(RoutingConfig(), ENDPOINTS)
+        if told == "peer placements":
+            router.observe_peer_placements([Placement("peer", addresses[0], np.arange(3))])
+        elif told == "cache events":
+            router.observe_cache_events(addresses[0], [(True, np.arange(3, dtype=np.uint64))])
+        seen: list[bool] = []
+
+        def spy(*args, original=router.scheduler.pick, seen=seen, **kwargs):
+            seen.append(kwargs["index_shared"])
+            return original(*args, **kwargs)
+
+        router.scheduler.pick = spy
+        router.route(chat("a new conversation " * 30))
+        assert seen == [bool(told)], told
 
 
 def test_a_request_for_n_samples_counts_as_the_n_requests_the_server_counts():
