@@ -1744,17 +1744,13 @@ def test_other_routers_requests_waiting_everywhere_are_a_backlog_that_keeps_a_pr
     assert stayed == home
 
 
-def test_a_key_placed_before_keeps_to_its_pick_while_a_backlog_lasts_everywhere():
-    """A cold start skips its rendezvous pick queued more than the margin past the least;
-    a key this router placed before (its index lost the prefix, or the next question on a
-    document) stays on the pick while other routers' requests wait on every endpoint (the
-    table's backlog): the queue difference passes, a copy elsewhere stays, and the other
-    router replicas see the same queues. A key seen first is placed by the queues."""
+def _two_cold_endpoints():
+    """Two endpoints that hold nothing, and a table of them with the given queued work (and
+    other routers' backlog): a cold start's choice between its rendezvous pick and the other."""
     addresses = [e.address for e in ENDPOINTS[:2]]
     hashes = np.array([address_hash(a) for a in addresses], dtype=np.uint64)
-    prompt, key = 2304, 7
 
-    def table(work: list[float], backlog: float) -> EndpointTable:
+    def table(work: list[float], backlog: float = 0.0) -> EndpointTable:
         return EndpointTable(
             addresses=addresses,
             load=np.zeros(2),
@@ -1764,6 +1760,17 @@ def test_a_key_placed_before_keeps_to_its_pick_while_a_backlog_lasts_everywhere(
             backlog=backlog,
         )
 
+    return addresses, table
+
+
+def test_a_key_placed_before_keeps_to_its_pick_while_a_backlog_lasts_everywhere():
+    """A cold start skips its rendezvous pick queued more than the margin past the least;
+    a key this router placed before (its index lost the prefix, or the next question on a
+    document) stays on the pick while other routers' requests wait on every endpoint (the
+    table's backlog): the queue difference passes, a copy elsewhere stays, and the other
+    router replicas see the same queues. A key seen first is placed by the queues."""
+    addresses, table = _two_cold_endpoints()
+    prompt, key = 2304, 7
     scheduler = Scheduler(RoutingConfig())
     pick = scheduler.pick(table([0.0, 0.0], 0.0), prompt, key=key).endpoint
     assert pick is not None
@@ -1786,18 +1793,8 @@ def test_router_replicas_keep_a_cold_start_on_its_pick_while_keys_come_back():
     questions, conversations' later turns), a copy off the pick would serve this router's
     requests alone, and the margin widens by up to recurring_cold_margin cold prefills. A
     router alone (stickiness_floor 0), or with the option off, keeps the queues' margin."""
-    addresses = [e.address for e in ENDPOINTS[:2]]
-    hashes = np.array([address_hash(a) for a in addresses], dtype=np.uint64)
+    addresses, table = _two_cold_endpoints()
     prompt, key = 2304, 7
-
-    def table(work: list[float]) -> EndpointTable:
-        return EndpointTable(
-            addresses=addresses,
-            load=np.zeros(2),
-            work=np.array(work),
-            matched=np.zeros(2, dtype=np.int64),
-            address_hash=hashes,
-        )
 
     def scheduler(keys: list[int], floor: float = 1.0, **routing: float) -> Scheduler:
         config = RoutingConfig(**routing)
