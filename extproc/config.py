@@ -324,7 +324,10 @@ class RoutingConfig(_Strict):
     )
     # 4 since 2026-12-06 (Dec 6, thirty-second session): four router replicas on the
     # simulator's grids kept more of one router's hit ratio where keys come back (documents,
-    # conversations), and the Mooncake trace's mostly one-off keys keep the queues' margin.
+    # conversations: llm-d's tiered shape 4 x 1M 0.740 -> 0.829), mostly by their first
+    # placements (the share reads 0.5 until measured); the Mooncake trace's mostly one-off
+    # keys keep the queues' margin once measured, but its first placements cost it tail
+    # (4 x 1M p99 +9.6 %, docs/benchmarks.md).
     recurring_cold_margin: float = Field(
         default=4.0,
         ge=0,
