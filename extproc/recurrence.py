@@ -5,8 +5,9 @@ rendezvous pick (its queue is past the margin) makes a copy the other routers ne
 for: their requests for the key keep going to the pick, and the copy takes cache room for
 this router's later requests alone. When keys come back (questions on a few hundred
 documents, conversations' later turns), that copy and the prefix it evicts cost more than
-the queue it escapes; when most keys come once (the Mooncake trace: 0.19 of one router's
-requests at K=4), there is nothing to meet and the queues should decide.
+the queue it escapes; when most keys come once (the Mooncake trace: about 0.2 of one
+router's requests at K=4, up to 0.4 late in the trace), there is little to meet and the
+queues should decide.
 Counts decay per request, not per second, so the measure is the same at any rate.
 """
 

@@ -1845,6 +1845,32 @@ def test_router_replicas_keep_a_cold_start_on_its_pick_while_keys_come_back():
         assert seen == [bool(told)], told
 
 
+def test_a_router_counts_how_often_its_requests_come_back_to_a_placement_key():
+    """The share is of placement keys, as a cold start would place the request: questions
+    on forty long documents (each preamble most of its first turn, and none popular: the
+    document's group key) come back to forty keys though every question is new; new
+    conversations after a short common system prompt (their own first turns) do not. The
+    gauge exports it."""
+    from prometheus_client import CollectorRegistry
+
+    from extproc.metrics import RouterMetrics
+
+    router = Router(RoutingConfig(), ENDPOINTS)
+    assert router.key_recurrence == 0.5  # until measured
+    for i in range(1500):
+        document = f"document {i % 40} says " * 200
+        router.finish(router.route(chat(f"question {i} " * 10, system=document)))
+    assert router.key_recurrence > 0.9
+    conversations = Router(RoutingConfig(), ENDPOINTS)
+    for i in range(1500):
+        conversations.finish(conversations.route(chat(f"conversation {i} " * 30)))
+    assert conversations.key_recurrence < 0.1
+    registry = CollectorRegistry()
+    RouterMetrics(registry).refresh(router)
+    exported = registry.get_sample_value("prefix_router_key_recurrence")
+    assert exported == pytest.approx(router.key_recurrence)
+
+
 def test_a_request_for_n_samples_counts_as_the_n_requests_the_server_counts():
     """vLLM runs and counts each of n samples (and each prompt of a completions batch) as a
     request of its own (measured on vLLM 0.32: n=3 adds 3 to its finished prefills): a
