@@ -213,7 +213,7 @@ class Router:
         self._peer_placed_total = np.zeros(0)
         self._peer_placed_until = -math.inf
         # Until when the index is told of more than this router's own placements (KV-cache
-        # events, peers' placements): then it ages no copy (_age_off_pick).
+        # events, peers' placements): _index_shared.
         self._index_shared_until = -math.inf
         self._alone_cold_margin = self.cost.cold_margin
         self.set_endpoints(endpoints)
@@ -928,7 +928,7 @@ class Router:
                 )
             ),
             turnless=not keyed_by_turns(request, cfg.cold_start_key),
-            index_shared=self.clock() <= self._index_shared_until,
+            index_shared=self._index_shared(),
         )
         decision.home_keys = tuple({key, preamble, decision.placement_key} - {0})
         decision.home_pool = pool
@@ -966,6 +966,13 @@ class Router:
             self._update(i, True, decision.hashes, self._age_off_pick(i, decision))
             self._log_placement(address, decision.hashes)
 
+    def _index_shared(self) -> bool:
+        """Whether the index has been told of more than this router's own placements
+        (KV-cache events, peers' placements) within PEER_FORGET_SECONDS: the others' copies
+        and the evictions are then in it, so it ages no copy (_age_off_pick) and recurring
+        keys widen no cold-start margin (Scheduler.pick)."""
+        return self.clock() <= self._index_shared_until
+
     def _age_off_pick(self, i: int, decision: Decision) -> int:
         """How long ago (index stamps) a placement on endpoint ``i`` counts as touched: 0,
         unless this router is one of several without a shared view (its traffic share under
@@ -983,7 +990,7 @@ class Router:
         aging = self.config.off_pick_aging
         if not aging or not self._share_measured or share >= self.config.balance_min_share:
             return 0
-        if self.clock() <= self._index_shared_until:
+        if self._index_shared():
             return 0  # the events' evictions, or the peers' placements, keep the index
         if decision.home_pool is None or len(decision.home_pool) != len(self._addresses):
             return 0  # (the endpoint set changed since it was routed)
