@@ -516,7 +516,11 @@ def test_a_vllm_server_out_of_batch_slots_is_priced_by_its_own_metrics(
     running and 8 still waiting, it prices the wait at that rate
     (routing.slot_blocked_fraction, routing.slot_ceiling_min lowered to the 16 slots) and
     moves a conversation off the server. With the rule off the waiting requests are its own
-    drained charges, and the conversation stays."""
+    drained charges, and the conversation stays. The routers read the servers before the
+    first request, as the service's scrapes do: the short answers can all end before the
+    first reading in the loop (CI, Dec 6), and a router that first read the server then
+    never saw them end, priced the wait as 8 typical prefills, which drain in ~0.15 s at
+    the default rate, and had none left when it decided."""
     slots = inspect.signature(lab.vllm_command).parameters["max_num_seqs"].default
     shorts = 8
     lengths = [64] * shorts + [1536] * (slots + 8)  # FIFO: the short ones run first
@@ -543,6 +547,20 @@ def test_a_vllm_server_out_of_batch_slots_is_priced_by_its_own_metrics(
         for i in range(len(lengths)):
             filler = parse_request("completions", orjson.dumps({"model": "m", "prompt": f"f{i}"}))
             charged[name].append(router.route(filler, allowed=frozenset({home})))
+    previous: dict[str, signals.EndpointSignals] = {}
+
+    def read(address: str) -> None:
+        """Scrape the server and feed both routers, as the service does."""
+        now = signals.parse_metrics(_get(f"http://{address}/metrics"))
+        window = signals.prefill_window(previous[address], now) if address in previous else None
+        previous[address] = now
+        for router in routers.values():
+            router.observe_signals(
+                address, now.up, now.running, now.waiting, now.kv_usage, prefill_window=window
+            )
+
+    for address in vllm_endpoints:
+        read(address)  # before the first request: the windows after it see every answer end
     ended: set[int] = set()
     seen = []
     with ThreadPoolExecutor(len(lengths)) as pool:
@@ -553,7 +571,6 @@ def test_a_vllm_server_out_of_batch_slots_is_priced_by_its_own_metrics(
                 # 16 long ones, and the last answer came before 8 had ended)
                 time.sleep(0.5)
             answers.append(pool.submit(_answer, home, i, n))
-        previous = {a: signals.parse_metrics(_get(f"http://{a}/metrics")) for a in vllm_endpoints}
         deadline = time.monotonic() + 120
         while True:
             time.sleep(0.25)
@@ -563,18 +580,7 @@ def test_a_vllm_server_out_of_batch_slots_is_priced_by_its_own_metrics(
                 for name, router in routers.items():
                     router.finish(charged[name][i])
             for address in (other, home):  # home last: decide on its newest figures
-                now = signals.parse_metrics(_get(f"http://{address}/metrics"))
-                window = signals.prefill_window(previous[address], now)
-                previous[address] = now
-                for router in routers.values():
-                    router.observe_signals(
-                        address,
-                        now.up,
-                        now.running,
-                        now.waiting,
-                        now.kv_usage,
-                        prefill_window=window,
-                    )
+                read(address)
             at_home = previous[home]
             elapsed = round(time.monotonic() - sent, 2)
             seen.append((elapsed, len(ended), at_home.running, at_home.waiting, at_home.kv_usage))
