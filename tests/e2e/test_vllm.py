@@ -222,7 +222,9 @@ def test_a_streamed_vllm_request_stays_charged_past_its_headers(
     vllm_endpoints: list[str],
 ) -> None:
     """vLLM sends a stream's headers when it accepts the request (FastAPI StreamingResponse),
-    before the prefill: the router must recognise vLLM's event stream and keep its charge."""
+    before the prefill: the router must recognise vLLM's event stream and keep its charge.
+    The answer runs to 200 tokens: the charge ends with the stream (buffered mode), and 8
+    left a few tenths of a second to route the second request in."""
     with Stack() as stack:
         router_address, router = stack.start_router(
             vllm_endpoints[:1],
@@ -236,7 +238,8 @@ def test_a_streamed_vllm_request_stays_charged_past_its_headers(
                 {
                     "model": lab.SERVED_MODEL_NAME,
                     "messages": [{"role": "user", "content": "tell me a story " * 100}],
-                    "max_tokens": 8,
+                    "max_tokens": 200,
+                    "ignore_eos": True,  # vLLM's extension: the stream lasts past the second
                     "stream": True,
                 }
             )

@@ -131,8 +131,17 @@ def test_metrics_and_decisions_after_traffic_through_envoy(tmp_path, workers):
         passed = 5
         for _ in range(passed):
             assert routed.send(None, path="/v1/models", method="GET").status == 200
-        time.sleep(1.5)  # gauges refresh every second; scrapes every 0.2 s
-        metrics = samples(admin)
+        deadline = time.monotonic() + 10  # gauges refresh every second; scrapes every 0.2 s
+        while True:
+            metrics = samples(admin)
+            settled = (
+                total(metrics, "prefix_router_endpoint_in_flight") == 0
+                and total(metrics, "prefix_router_endpoint_queued_work") == 0
+                and total(metrics, "prefix_router_prefill_tokens_per_second") > 200_000
+            )
+            if settled or time.monotonic() > deadline:
+                break  # (the asserts below say what did not settle)
+            time.sleep(0.2)
         assert total(metrics, "prefix_router_requests_total", outcome="routed") == routed_requests
         assert (
             total(metrics, "prefix_router_requests_total", outcome="pass_through", reason="method")

@@ -24,7 +24,8 @@ from .test_observability import get
 def test_a_streamed_request_stays_charged_past_its_response_headers(tmp_path, body_mode):
     """In full-duplex mode Envoy even ends the processing stream at those headers."""
     with Stack(workdir=tmp_path) as stack:
-        slow_prefill = ["--base-ttft-ms", "1500", "--decode-ms-per-token", "1"]
+        # 4 s: room to route the second request while the stream waits, on a slow machine.
+        slow_prefill = ["--base-ttft-ms", "4000", "--decode-ms-per-token", "1"]
         members = stack.start_replicas(1, slow_prefill)
         # A slow drain keeps the charge for the whole test, whatever the machine's speed.
         routed = start_routed_stack(
