@@ -14,7 +14,7 @@ from extproc import envoyconf
 from extproc.stack import Stack
 
 from .conftest import Response, RoutedStack, chat_body, start_routed_stack
-from .test_observability import samples
+from .test_observability import samples, total
 
 pytestmark = [pytest.mark.envoy]
 FAST = ["--prefill-ms-per-token", "0.0001", "--decode-ms-per-token", "0.1"]
@@ -59,7 +59,11 @@ def test_original_dst_router_stops_picking_a_dead_replica(body_mode):
         assert home.status == 200
         dead = next(p for p in stack.processes if p.name == home.replica)
         stack.stop(dead)
-        time.sleep(1.0)  # > interval x threshold: the router has seen the failure
+        # The router has seen the failure (probes every 0.2 s; its gauges refresh each second).
+        admin, deadline = stack.router_admin_ports["router"], time.monotonic() + 10
+        while total(samples(admin), "prefix_router_endpoint_healthy") != len(members) - 1:
+            assert time.monotonic() < deadline, "the router never marked the dead replica down"
+            time.sleep(0.1)
         for turn in range(5):
             history += ["An answer.", f"next question {turn}"]
             response = routed.send(chat_body(*history))

@@ -244,6 +244,20 @@ def envoy_stats(admin_port: int, contains: str = "ext_proc") -> dict[str, int]:
     return out
 
 
+def settled(read: Callable[[], float], apart: float = 1.1, timeout: float = 10) -> float:
+    """A gauge's reading once two readings ``apart`` seconds apart agree: the router refreshes
+    its gauges each second, and one reading after a fixed sleep could miss the last refresh
+    on a loaded machine (and then differ from a later reading of the same figure)."""
+    deadline = time.monotonic() + timeout
+    value = read()
+    while True:
+        time.sleep(apart)
+        again = read()
+        if again == value or time.monotonic() > deadline:
+            return again
+        value = again
+
+
 def wait_until(predicate: Callable[[], bool], timeout: float, step: float = 0.1) -> bool:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

@@ -27,7 +27,16 @@ from aiohttp import web
 
 from extproc.stack import LOOPBACK, Stack, free_port, python_cli, wait_for_port, wait_ready
 
-from .conftest import FAST, REQUEST_TIMEOUT, chat, report, router_samples, total, wait_until
+from .conftest import (
+    FAST,
+    REQUEST_TIMEOUT,
+    chat,
+    report,
+    router_samples,
+    settled,
+    total,
+    wait_until,
+)
 
 pytestmark = [pytest.mark.envoy]
 
@@ -169,8 +178,7 @@ def test_a_pod_not_ready_for_a_while_keeps_its_index(tmp_path: Path, restarted: 
         homes = {c: send(chat(c, 0)).replica for c in range(12)}
         victim = max(set(homes.values()), key=list(homes.values()).count)
         paused = [c for c, home in homes.items() if home == victim]
-        time.sleep(1.2)  # gauges refresh every second
-        held = gauge("prefix_router_index_entries", victim)
+        held = settled(lambda: gauge("prefix_router_index_entries", victim))
         assert held > 0
 
         api.put(victim, ports[victim], ready=False)

@@ -21,7 +21,16 @@ import pytest
 
 from extproc.stack import Stack
 
-from .conftest import FAST, chat, report, router_samples, start_rig, total, wait_until
+from .conftest import (
+    FAST,
+    chat,
+    report,
+    router_samples,
+    settled,
+    start_rig,
+    total,
+    wait_until,
+)
 
 pytestmark = [pytest.mark.envoy]
 
@@ -41,8 +50,7 @@ def _start_conversations(stack: Stack, rig) -> tuple[dict[int, str], str, str, f
         homes[c] = response.replica
     victim = max(set(homes.values()), key=list(homes.values()).count)
     address = names[victim]
-    time.sleep(1.2)  # gauges refresh every second
-    held = _gauge(rig, "prefix_router_index_entries", address)
+    held = settled(lambda: _gauge(rig, "prefix_router_index_entries", address))
     assert held > 0
     return homes, victim, address, held
 
