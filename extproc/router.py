@@ -70,6 +70,11 @@ BALANCE_COLD_STARTS = 512
 # Router replicas sharing placements balance a cold start between this many of its key's
 # first rendezvous picks (Router._placed_view).
 SHARED_BALANCE_CHOICES = 2
+# A blocked endpoint's wait priced without an admission rate holds until its next reading
+# (Router.observe_signals): this long after the first one, the time between its readings
+# after that, at most the second figure.
+BLOCKED_HOLD_SECONDS = 0.5
+BLOCKED_HOLD_MAX_SECONDS = 5.0
 
 
 class _DrainingWork:
@@ -103,6 +108,21 @@ class _DrainingWork:
         """What is left drains at ``rate`` from each start time: the end time moves."""
         if len(self.amount):
             self.until = float((self.since + self.amount / rate).max())
+
+
+class _HeldWork(_DrainingWork):
+    """Work that may stay whole for a while before it drains (``hold``)."""
+
+    __slots__ = ()
+
+    def left(self, positions: np.ndarray, now: float, rate: float) -> np.ndarray | float:
+        if now >= self.until:
+            return 0.0
+        elapsed = np.maximum(0.0, now - self.since[positions])
+        return np.maximum(0.0, self.amount[positions] - rate * elapsed)
+
+    def hold(self, i: int, amount: float, now: float, rate: float, seconds: float) -> None:
+        self.set(i, amount, now + seconds, rate)
 
 
 class Router:
@@ -169,7 +189,7 @@ class Router:
         self._unseen_work = _DrainingWork()
         # Requests waiting for KV memory or a batch slot that this router sent
         # (``_memory_bound``, ``_slot_bound``), and which endpoints have no room for more.
-        self._blocked_work = _DrainingWork()
+        self._blocked_work = _HeldWork()
         self._no_room = np.zeros(0, dtype=bool)
         # The most requests each endpoint was seen running (its batch-slot ceiling, as far
         # as this router can tell: ``_slot_bound``).
@@ -353,6 +373,7 @@ class Router:
         # A finished count (a window, or none finished) makes the queues' growth arrivals.
         counts_finished = counts_finished or prefill_window is not None
         grew_running = grew = np.nan
+        read_before = self._scraped_at[i]
         if up:
             was_running, was_waiting = self._running_read[i], self._waiting_read[i]
             for read, value in ((self._running_read, running), (self._waiting_read, waiting)):
@@ -384,14 +405,19 @@ class Router:
             if self._no_room[i] and waiting > unseen:
                 blocked = (waiting - unseen) * self._typical_work
                 admitted = self._admitted[i] / max(1e-9, self._admitted_seconds[i])
-                if self.config.kv_wait_from_admissions and admitted > 0:
+                learned = self.config.kv_wait_from_admissions and admitted > 0
+                if learned:
                     # Memory frees as running requests finish: a newcomer waits until the
                     # endpoint has admitted the requests ahead of it, at its admission rate.
                     waits = waiting / admitted * rate
                     if self.config.count_unseen_waiting:
                         waits -= unseen * self._typical_work
                     blocked = max(blocked, waits)
-                self._blocked_work.set(i, blocked, now, rate)
+                if learned or not self.config.kv_wait_from_admissions:
+                    self._blocked_work.set(i, blocked, now, rate)
+                else:
+                    hold = self._blocked_hold(now, read_before)
+                    self._blocked_work.hold(i, blocked, now, rate, hold)
         self._saturated[i] = kv_usage is not None and kv_usage >= self.config.kv_saturated_fraction
         if kv_capacity_tokens and not self._capacity_configured[i]:
             blocks = self.capacity_blocks(kv_capacity_tokens)
@@ -403,6 +429,18 @@ class Router:
                 )
                 if journal is not None:
                     journal.replay(self.index, i)
+
+    @staticmethod
+    def _blocked_hold(now: float, read_before: float) -> float:
+        """How long a blocked endpoint's wait, priced without its admission rate (none seen
+        yet: a router's first seconds, or one restarted beside saturated servers), stays
+        whole: until the next reading re-prices it. Drained at the prefill rate, as a
+        prefill queue's price is, 8 requests waiting for batch slots at a CPU vLLM server
+        were priced at ~0.15 s of work, gone long before the server admitted any of them
+        (a failure on CI of tests/e2e/test_vllm.py's test of that server, Dec 6)."""
+        if np.isnan(read_before) or now <= read_before:
+            return BLOCKED_HOLD_SECONDS
+        return min(now - read_before, BLOCKED_HOLD_MAX_SECONDS)
 
     def _unseen_waiting(self, i: int, waiting: float) -> float:
         """How many of the requests endpoint ``i`` reports waiting other routers sent: at

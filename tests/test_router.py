@@ -856,6 +856,54 @@ def test_requests_waiting_for_a_batch_slot_are_priced_like_those_waiting_for_mem
     assert moved.endpoint != home and moved.rule == RULE_LOAD_GUARD
 
 
+def test_a_blocked_wait_priced_without_an_admission_rate_holds_until_the_next_reading():
+    """Before a router has seen a blocked endpoint admit anything (its first readings, or a
+    router restarted beside saturated servers), it prices the requests waiting there by
+    their prefills. Drained at the prefill rate, as a prefill queue's price is, that price
+    was gone long before the endpoint admitted any of them: it now stays whole until the
+    endpoint's next reading is due (the time between its readings; half a second after the
+    first one), then drains. With the option off it drains from the reading, as before."""
+
+    def queued_at_home(config: RoutingConfig, readings: list[float], after: float):
+        clock = Clock()
+        router = Router(config, ENDPOINTS, clock=clock)
+        first = router.route(LONG_TURN1)
+        router.finish(first)
+        home = first.endpoint
+        assert home is not None
+        # 40 of its own in flight there (no one else's): 32 running, all its batch slots,
+        # and 8 waiting for one.
+        mine = [router.route(completion(f"own request {i}"), allowed={home}) for i in range(40)]
+        clock.now += 60.0  # their prefill charges have drained on the router's clock
+        for at in readings:  # readings of the same figures: nothing admitted in between
+            clock.now = 60.0 + at
+            router.observe_signals(home, up=True, running=32, waiting=8, kv_usage=0.3)
+        clock.now += after
+        decision = router.route(LONG_TURN2)
+        queued = {c["endpoint"]: c for c in decision.explain()["candidates"]}[home]
+        typical = (first.work + sum(d.work for d in mine)) / 41
+        return queued["queued_work"], 8 * typical, router.cost.drain_per_second
+
+    config = RoutingConfig(load_slack=1000)
+    queued, blocked, drain = queued_at_home(config, [0.0], after=0.45)
+    assert blocked < 0.45 * drain  # drained from the reading, nothing would be left
+    assert queued == round(blocked)
+    queued, blocked, drain = queued_at_home(config, [0.0], after=0.7)
+    assert queued == pytest.approx(blocked - 0.2 * drain, abs=1)
+    queued, blocked, _ = queued_at_home(config, [0.0, 2.0], after=1.9)
+    assert queued == round(blocked)
+    queued, _, _ = queued_at_home(config, [0.0, 2.0], after=2.0 + blocked / drain)
+    assert queued == 0
+    # Readings far apart (an endpoint down in between) hold it at most five seconds.
+    queued, blocked, drain = queued_at_home(config, [0.0, 60.0], after=4.9)
+    assert queued == round(blocked)
+    queued, _, _ = queued_at_home(config, [0.0, 60.0], after=5.0 + blocked / drain)
+    assert queued == 0
+    off = config.model_copy(update={"kv_wait_from_admissions": False})
+    queued, blocked, drain = queued_at_home(off, [0.0], after=0.1)
+    assert queued == pytest.approx(blocked - 0.1 * drain, abs=1)
+
+
 def test_reported_load_from_other_routers_counts_in_the_guard():
     config = RoutingConfig(load_epsilon=0.0, load_slack=1)
     router = Router(config, ENDPOINTS)
