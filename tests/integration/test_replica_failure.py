@@ -72,14 +72,20 @@ def test_original_dst_router_stops_picking_a_dead_replica(body_mode):
 
 
 def _first_turn_after_its_home_died(
-    stack: Stack, mode: str
+    stack: Stack, mode: str, retried: bool = False
 ) -> tuple[RoutedStack, str, list[str], Response]:
-    """Three replicas, the router's probes too slow to matter (30 s), no retries: a
-    conversation's home dies after its first turn. Returns the stack, the home's name, the
-    conversation and the answer to its next turn (lost: no retry configured)."""
+    """Three replicas, the router's probes too slow to matter (30 s): a conversation's home
+    dies after its first turn. Returns the stack, the home's name, the conversation and the
+    answer to its next turn: lost without retries, served elsewhere with the generated
+    configs' retry policy (``retried``)."""
     members = stack.start_replicas(3, FAST)
     routed = start_routed_stack(
-        stack, mode, "buffered", members, ["--set", "health.interval_seconds=30"], retries=0
+        stack,
+        mode,
+        "buffered",
+        members,
+        ["--set", "health.interval_seconds=30"],
+        **({} if retried else {"retries": 0}),
     )
     history = ["Tell me about the dead replica. " * 30]
     home = routed.send(chat_body(*history))
@@ -87,7 +93,10 @@ def _first_turn_after_its_home_died(
     stack.stop(next(p for p in stack.processes if p.name == home.replica))
     history += ["An answer.", "first question after the death"]
     first = routed.send(chat_body(*history))
-    assert first.status == 503
+    if retried:
+        assert first.status == 200 and first.replica != home.replica  # a retry saved it
+    else:
+        assert first.status == 503
     return routed, home.replica, history, first
 
 
@@ -157,13 +166,19 @@ def _as_istio_gateway(config: dict[str, Any]) -> dict[str, Any]:
     return config
 
 
-def test_under_istio_a_dead_replica_is_out_after_envoys_first_failure(monkeypatch):
+@pytest.fixture
+def istio_gateway(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The proxies this test starts are shaped as an Istio gateway (_as_istio_gateway)."""
+    render = envoyconf.render
+    monkeypatch.setattr(envoyconf, "render", lambda options: _as_istio_gateway(render(options)))
+
+
+@pytest.mark.usefixtures("istio_gateway")
+def test_under_istio_a_dead_replica_is_out_after_envoys_first_failure():
     """deploy/istio's EnvoyFilter on a gateway that adds neither header: Envoy's response
     attributes (the endpoint that answered, its response flags) tell the router that it
     refused the connection, and the router stops picking it at once (probes every 30 s, no
     retries). Without them the conversation kept going to the dead replica."""
-    render = envoyconf.render
-    monkeypatch.setattr(envoyconf, "render", lambda options: _as_istio_gateway(render(options)))
     with Stack() as stack:
         routed, home, history, first = _first_turn_after_its_home_died(stack, "override-host")
         assert "x-prefix-router-upstream-failure" not in first.headers  # Istio's shape
@@ -193,7 +208,7 @@ def _decisions_by_endpoint(admin_port: int, requests: int) -> dict[str, float]:
     ("mode", "gateway"),
     [("override-host", "generated"), ("original-dst", "generated"), ("override-host", "istio")],
 )
-def test_a_pick_a_retry_saved_from_is_out_after_its_first_failure(monkeypatch, mode, gateway):
+def test_a_pick_a_retry_saved_from_is_out_after_its_first_failure(request, mode, gateway):
     """Retries on (the generated configs' retry policy, also under the Istio-shaped
     config; Istio's own default retries a refused connection too): the first turn after a
     conversation's home died is retried on another replica and served. Envoy's attempt
@@ -201,24 +216,13 @@ def test_a_pick_a_retry_saved_from_is_out_after_its_first_failure(monkeypatch, m
     and it stops picking it at once (probes every 30 s). Before, every later turn went to
     the dead home first, saved by a retry, until the probes found it dead."""
     if gateway == "istio":
-        render = envoyconf.render
-        monkeypatch.setattr(envoyconf, "render", lambda o: _as_istio_gateway(render(o)))
+        request.getfixturevalue("istio_gateway")
     with Stack() as stack:
-        members = stack.start_replicas(3, FAST)
-        routed = start_routed_stack(
-            stack, mode, "buffered", members, ["--set", "health.interval_seconds=30"]
-        )
+        routed, home, history, _ = _first_turn_after_its_home_died(stack, mode, retried=True)
         admin = stack.router_admin_ports["router"]
-        history = ["Tell me about the retried replica. " * 30]
-        home = routed.send(chat_body(*history))
-        assert home.status == 200
-        home_address = next(a for a, n in routed.names.items() if n == home.replica)
-        stack.stop(next(p for p in stack.processes if p.name == home.replica))
-        history += ["An answer.", "first question after the death"]
-        first = routed.send(chat_body(*history))
-        assert first.status == 200 and first.replica != home.replica  # a retry saved it
+        home_address = next(a for a, n in routed.names.items() if n == home)
         before = _decisions_by_endpoint(admin, 2)
         assert before[home_address] == 2  # the router picked the dead home for it
-        _served_elsewhere(routed, home.replica, history)
+        _served_elsewhere(routed, home, history)
         after = _decisions_by_endpoint(admin, 7)
         assert after[home_address] == 2, after  # never picked again
