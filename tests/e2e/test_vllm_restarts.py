@@ -23,6 +23,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from extproc import lab, signals
 from extproc.stack import LOOPBACK, Stack, free_port
 
+from ..waiting import settled
 from .test_vllm import _chat, _get
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.timeout(1200)]
@@ -83,14 +84,13 @@ def test_a_restart_of_vllm_with_several_api_servers_is_told_by_its_counters(
             queries = signals.parse_metrics(_get(f"http://{address}/metrics")).queries
             assert queries, page  # counters the restart will start over
             _wait_for(lambda: gauge("prefix_router_index_entries") > 0, 10, "entries")
-            time.sleep(1.5)  # a scrape of the counters after the last request, gauges refreshed
-            held = gauge("prefix_router_index_entries")
+            # Once a scrape of the counters after the last request is in the refreshed gauges.
+            held = settled(lambda: gauge("prefix_router_index_entries"))
 
             os.killpg(server.pid, signal.SIGKILL)  # API servers and engine core: a crash
             lab.stop_all([server])  # (reaped)
             down = _wait_for(lambda: gauge("prefix_router_endpoint_healthy") == 0, 15, "down")
-            time.sleep(1.2)  # gauges refresh every second
-            kept = gauge("prefix_router_index_entries")
+            kept = settled(lambda: gauge("prefix_router_index_entries"))  # refreshed each second
             assert kept == held, (held, kept)  # kept: its counters will tell a restart
 
             server = start()

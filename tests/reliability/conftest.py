@@ -24,6 +24,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from extproc import envoyconf
 from extproc.stack import LOOPBACK, ManagedProcess, Stack, free_port
 
+from ..waiting import settled  # noqa: F401 (the reliability tests import it from here)
+
 FAST = ["--prefill-ms-per-token", "0.0001", "--decode-ms-per-token", "0.1"]
 REQUEST_TIMEOUT = 30.0  # per request: nothing may hang
 
@@ -242,20 +244,6 @@ def envoy_stats(admin_port: int, contains: str = "ext_proc") -> dict[str, int]:
         if sep and value.strip().lstrip("-").isdigit():
             out[name] = int(value)
     return out
-
-
-def settled(read: Callable[[], float], apart: float = 1.1, timeout: float = 10) -> float:
-    """A gauge's reading once two readings ``apart`` seconds apart agree: the router refreshes
-    its gauges each second, and one reading after a fixed sleep could miss the last refresh
-    on a loaded machine (and then differ from a later reading of the same figure)."""
-    deadline = time.monotonic() + timeout
-    value = read()
-    while True:
-        time.sleep(apart)
-        again = read()
-        if again == value or time.monotonic() > deadline:
-            return again
-        value = again
 
 
 def wait_until(predicate: Callable[[], bool], timeout: float, step: float = 0.1) -> bool:
