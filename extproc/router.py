@@ -433,8 +433,9 @@ class Router:
     @staticmethod
     def _blocked_hold(now: float, read_before: float) -> float:
         """How long a blocked endpoint's wait, priced without its admission rate (none seen
-        yet: a router's first seconds, or one restarted beside saturated servers), stays
-        whole: until the next reading re-prices it. Drained at the prefill rate, as a
+        yet: a router's first seconds, one restarted beside saturated servers, or a server
+        that does not count finished requests), stays whole: until the next reading
+        re-prices it. Drained at the prefill rate, as a
         prefill queue's price is, 8 requests waiting for batch slots at a CPU vLLM server
         were priced at ~0.15 s of work, gone long before the server admitted any of them
         (a failure on CI of tests/e2e/test_vllm.py's test of that server, Dec 6)."""
