@@ -760,17 +760,25 @@ LONG_TURN1 = chat("explain rendezvous hashing " * 600)
 LONG_TURN2 = chat("explain rendezvous hashing " * 600, "sure: ...", "and with weights?")
 
 
-def _second_turn_after_two_scrapes(config: RoutingConfig, first_scrape: dict, second_scrape: dict):
-    """A router places LONG_TURN1, sends five requests of its own to the same endpoint, reads
-    two scrapes of it two seconds apart and routes LONG_TURN2: (home, the decision, the queued
-    work it priced at home, its typical charge, its drain rate)."""
+def _placed_long_turn(config: RoutingConfig, own: int):
+    """A router on a test clock that placed LONG_TURN1 and sent ``own`` requests of its own
+    to the same endpoint: (the clock, the router, its first decision, that endpoint, the
+    decisions of its own requests)."""
     clock = Clock()
     router = Router(config, ENDPOINTS, clock=clock)
     first = router.route(LONG_TURN1)
     router.finish(first)
     home = first.endpoint
     assert home is not None
-    mine = [router.route(completion(f"own request {i}"), allowed={home}) for i in range(5)]
+    mine = [router.route(completion(f"own request {i}"), allowed={home}) for i in range(own)]
+    return clock, router, first, home, mine
+
+
+def _second_turn_after_two_scrapes(config: RoutingConfig, first_scrape: dict, second_scrape: dict):
+    """A router places LONG_TURN1, sends five requests of its own to the same endpoint, reads
+    two scrapes of it two seconds apart and routes LONG_TURN2: (home, the decision, the queued
+    work it priced at home, its typical charge, its drain rate)."""
+    clock, router, first, home, mine = _placed_long_turn(config, own=5)
     router.observe_signals(home, up=True, **first_scrape)
     clock.now += 2.0
     router.observe_signals(home, up=True, **second_scrape)
@@ -865,15 +873,9 @@ def test_a_blocked_wait_priced_without_an_admission_rate_holds_until_the_next_re
     first one), then drains. With the option off it drains from the reading, as before."""
 
     def queued_at_home(config: RoutingConfig, readings: list[float], after: float):
-        clock = Clock()
-        router = Router(config, ENDPOINTS, clock=clock)
-        first = router.route(LONG_TURN1)
-        router.finish(first)
-        home = first.endpoint
-        assert home is not None
         # 40 of its own in flight there (no one else's): 32 running, all its batch slots,
         # and 8 waiting for one.
-        mine = [router.route(completion(f"own request {i}"), allowed={home}) for i in range(40)]
+        clock, router, first, home, mine = _placed_long_turn(config, own=40)
         clock.now += 60.0  # their prefill charges have drained on the router's clock
         for at in readings:  # readings of the same figures: nothing admitted in between
             clock.now = 60.0 + at
