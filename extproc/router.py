@@ -70,10 +70,10 @@ BALANCE_COLD_STARTS = 512
 # Router replicas sharing placements balance a cold start between this many of its key's
 # first rendezvous picks (Router._placed_view).
 SHARED_BALANCE_CHOICES = 2
-# A blocked endpoint's wait priced without an admission rate holds until its next reading
-# (Router.observe_signals): this long after the first one, the time between its readings
-# after that, at most the second figure.
-BLOCKED_HOLD_SECONDS = 0.5
+# A blocked endpoint's wait priced without an admission rate holds past its next reading
+# (Router._blocked_hold): this long after its first reading, twice the time between its
+# readings after that, at most the second figure.
+BLOCKED_HOLD_SECONDS = 1.0
 BLOCKED_HOLD_MAX_SECONDS = 5.0
 
 
@@ -434,14 +434,16 @@ class Router:
     def _blocked_hold(now: float, read_before: float) -> float:
         """How long a blocked endpoint's wait, priced without its admission rate (none seen
         yet: a router's first seconds, one restarted beside saturated servers, or a server
-        that does not count finished requests), stays whole: until the next reading
-        re-prices it. Drained at the prefill rate, as a
+        that does not count finished requests), stays whole: past its next reading, which
+        re-prices it (a down reading zeroes it), so twice the time between its readings —
+        the poller's interval plus its round's scrapes, which vary — and at most
+        BLOCKED_HOLD_MAX_SECONDS should the readings stop. Drained at the prefill rate, as a
         prefill queue's price is, 8 requests waiting for batch slots at a CPU vLLM server
         were priced at ~0.15 s of work, gone long before the server admitted any of them
         (a failure on CI of tests/e2e/test_vllm.py's test of that server, Dec 6)."""
         if np.isnan(read_before) or now <= read_before:
             return BLOCKED_HOLD_SECONDS
-        return min(now - read_before, BLOCKED_HOLD_MAX_SECONDS)
+        return min(2.0 * (now - read_before), BLOCKED_HOLD_MAX_SECONDS)
 
     def _unseen_waiting(self, i: int, waiting: float) -> float:
         """How many of the requests endpoint ``i`` reports waiting other routers sent: at

@@ -864,22 +864,32 @@ def test_requests_waiting_for_a_batch_slot_are_priced_like_those_waiting_for_mem
     assert moved.endpoint != home and moved.rule == RULE_LOAD_GUARD
 
 
-def test_a_blocked_wait_priced_without_an_admission_rate_holds_until_the_next_reading():
-    """Before a router has seen a blocked endpoint admit anything (its first readings, or a
-    router restarted beside saturated servers), it prices the requests waiting there by
-    their prefills. Drained at the prefill rate, as a prefill queue's price is, that price
-    was gone long before the endpoint admitted any of them: it now stays whole until the
-    endpoint's next reading is due (the time between its readings; half a second after the
-    first one), then drains. With the option off it drains from the reading, as before."""
+def test_a_blocked_wait_priced_without_an_admission_rate_holds_past_the_next_reading():
+    """Before a router has seen a blocked endpoint admit anything (its first readings, a
+    router restarted beside saturated servers, a server that does not count finished
+    requests), it prices the requests waiting there by their prefills. Drained at the
+    prefill rate, as a prefill queue's price is, that price was gone long before the
+    endpoint admitted any of them: it now stays whole past the endpoint's next reading (twice
+    the time between its readings; a second after the first one; five at most), then
+    drains. A reading re-prices it (a down one zeroes it). With the option off it drains
+    from the reading, as before."""
 
-    def queued_at_home(config: RoutingConfig, readings: list[float], after: float):
+    def queued_at_home(
+        config: RoutingConfig,
+        readings: list[float],
+        after: float,
+        down_at: float | None = None,
+        **signals,
+    ) -> tuple[float, float, float]:
         # 40 of its own in flight there (no one else's): 32 running, all its batch slots,
         # and 8 waiting for one.
         clock, router, first, home, mine = _placed_long_turn(config, own=40)
-        clock.now += 60.0  # their prefill charges have drained on the router's clock
         for at in readings:  # readings of the same figures: nothing admitted in between
-            clock.now = 60.0 + at
-            router.observe_signals(home, up=True, running=32, waiting=8, kv_usage=0.3)
+            clock.now = 60.0 + at  # (by 60 s its prefill charges have drained)
+            router.observe_signals(home, up=True, running=32, waiting=8, kv_usage=0.3, **signals)
+        if down_at is not None:
+            clock.now = 60.0 + down_at
+            router.observe_signals(home, up=False)
         clock.now += after
         decision = router.route(LONG_TURN2)
         queued = {c["endpoint"]: c for c in decision.explain()["candidates"]}[home]
@@ -887,19 +897,25 @@ def test_a_blocked_wait_priced_without_an_admission_rate_holds_until_the_next_re
         return queued["queued_work"], 8 * typical, router.cost.drain_per_second
 
     config = RoutingConfig(load_slack=1000)
-    queued, blocked, drain = queued_at_home(config, [0.0], after=0.45)
+    queued, blocked, drain = queued_at_home(config, [0.0], after=0.9)
     assert blocked < 0.45 * drain  # drained from the reading, nothing would be left
     assert queued == round(blocked)
-    queued, blocked, drain = queued_at_home(config, [0.0], after=0.7)
+    queued, blocked, drain = queued_at_home(config, [0.0], after=1.2)
     assert queued == pytest.approx(blocked - 0.2 * drain, abs=1)
-    queued, blocked, _ = queued_at_home(config, [0.0, 2.0], after=1.9)
+    # Counted finishes that show no admission: no rate, held all the same.
+    queued, blocked, _ = queued_at_home(config, [0.0, 0.5], after=0.9, counts_finished=True)
     assert queued == round(blocked)
-    queued, _, _ = queued_at_home(config, [0.0, 2.0], after=2.0 + blocked / drain)
+    queued, blocked, _ = queued_at_home(config, [0.0, 2.0], after=3.9)
+    assert queued == round(blocked)
+    queued, _, _ = queued_at_home(config, [0.0, 2.0], after=4.0 + blocked / drain)
     assert queued == 0
     # Readings far apart (an endpoint down in between) hold it at most five seconds.
     queued, blocked, drain = queued_at_home(config, [0.0, 60.0], after=4.9)
     assert queued == round(blocked)
     queued, _, _ = queued_at_home(config, [0.0, 60.0], after=5.0 + blocked / drain)
+    assert queued == 0
+    # A failed reading after it: nothing priced there.
+    queued, _, _ = queued_at_home(config, [0.0], down_at=0.5, after=0.1)
     assert queued == 0
     off = config.model_copy(update={"kv_wait_from_admissions": False})
     queued, blocked, drain = queued_at_home(off, [0.0], after=0.1)
