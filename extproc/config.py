@@ -428,7 +428,7 @@ class RoutingConfig(_Strict):
         description="price the wait at an endpoint waiting for KV memory by its admission "
         "rate (requests it finishes per second plus the growth of its running ones), not by "
         "the prefills of its waiting requests; until it has one, their prefills' price holds "
-        "until the endpoint's next reading",
+        "past the endpoint's next reading",
     )
     kv_saturated_fraction: float = Field(
         # 0.98 until item 25 (docs/benchmarks.md): a cache a little short of full still takes
