@@ -1,4 +1,4 @@
-"""Waiting for a gauge the router refreshes on its own clock (shared by the test packages)."""
+"""Waiting for what the router does on its own clock (shared by the test packages)."""
 
 from __future__ import annotations
 
@@ -18,3 +18,13 @@ def settled(read: Callable[[], float], apart: float = 1.1, timeout: float = 10) 
         if again == value or time.monotonic() > deadline:
             return again
         value = again
+
+
+def wait_until(predicate: Callable[[], bool], timeout: float, step: float = 0.1) -> bool:
+    """Whether ``predicate`` held within ``timeout`` seconds (checked every ``step``)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(step)
+    return predicate()

@@ -24,7 +24,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from extproc import envoyconf
 from extproc.stack import LOOPBACK, ManagedProcess, Stack, free_port
 
-from ..waiting import settled  # noqa: F401 (the reliability tests import it from here)
+from ..waiting import settled, wait_until  # noqa: F401 (the reliability tests import them here)
 
 FAST = ["--prefill-ms-per-token", "0.0001", "--decode-ms-per-token", "0.1"]
 REQUEST_TIMEOUT = 30.0  # per request: nothing may hang
@@ -244,15 +244,6 @@ def envoy_stats(admin_port: int, contains: str = "ext_proc") -> dict[str, int]:
         if sep and value.strip().lstrip("-").isdigit():
             out[name] = int(value)
     return out
-
-
-def wait_until(predicate: Callable[[], bool], timeout: float, step: float = 0.1) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(step)
-    return predicate()
 
 
 @pytest.fixture(scope="module")
