@@ -879,6 +879,7 @@ def test_a_blocked_wait_priced_without_an_admission_rate_holds_past_the_next_rea
         readings: list[float],
         after: float,
         down_at: float | None = None,
+        slower_at: float | None = None,
         **signals,
     ) -> tuple[float, float, float]:
         # 40 of its own in flight there (no one else's): 32 running, all its batch slots,
@@ -890,6 +891,12 @@ def test_a_blocked_wait_priced_without_an_admission_rate_holds_past_the_next_rea
         if down_at is not None:
             clock.now = 60.0 + down_at
             router.observe_signals(home, up=False)
+        if slower_at is not None:  # the other endpoints' readings teach a slower prefill rate
+            clock.now = 60.0 + slower_at
+            for _ in range(3):
+                for other in (e.address for e in ENDPOINTS if e.address != home):
+                    router.observe_signals(other, up=True, prefill_window=(8000, 8, 2.0))
+            assert router.cost.drain_per_second < 20_000
         clock.now += after
         decision = router.route(LONG_TURN2)
         queued = {c["endpoint"]: c for c in decision.explain()["candidates"]}[home]
@@ -914,6 +921,14 @@ def test_a_blocked_wait_priced_without_an_admission_rate_holds_past_the_next_rea
     assert queued == round(blocked)
     queued, _, _ = queued_at_home(config, [0.0, 60.0], after=5.0 + blocked / drain)
     assert queued == 0
+    # The prefill rate learned while it is held: still whole until the hold ends, then it
+    # drains at the new rate.
+    queued, blocked, slower = queued_at_home(config, [0.0], after=0.4, slower_at=0.5)
+    assert queued == round(blocked)
+    draining = 1.5 * blocked / drain  # past when it would have drained at the old rate
+    queued, blocked, slower = queued_at_home(config, [0.0], after=0.5 + draining, slower_at=0.5)
+    assert blocked > draining * slower  # (some left)
+    assert queued == pytest.approx(blocked - draining * slower, abs=1)
     # A failed reading after it: nothing priced there.
     queued, _, _ = queued_at_home(config, [0.0], down_at=0.5, after=0.1)
     assert queued == 0
