@@ -1714,7 +1714,8 @@ def test_a_prompt_longer_than_every_cache_stays_with_its_holder():
 def test_an_endpoints_cache_events_teach_the_index_what_it_holds_in_order():
     """KV-cache events (what an endpoint reports storing and evicting, as this router's block
     hashes) put another router's placement in this one's index, take an eviction out, and
-    apply in order: a chain stored again after its removal is held."""
+    apply in order: a chain stored again after its removal is held. Until the router has
+    measured its traffic share it reads the stores only (evictions cost a router alone)."""
     a, b = Router(RoutingConfig(), ENDPOINTS), Router(RoutingConfig(), ENDPOINTS)
     request = chat("What is a B-tree? " * 40)
     placed = a.route(request)  # another router replica placed it; b never saw it
@@ -1726,10 +1727,16 @@ def test_an_endpoints_cache_events_teach_the_index_what_it_holds_in_order():
         return b.index.match(hashes, [where]).get(where, 0)
 
     assert held(placed.endpoint) == 0
-    b.observe_cache_events(placed.endpoint, [(True, hashes)])
+    assert b.observe_cache_events(placed.endpoint, [(True, hashes)])
     assert held(placed.endpoint) == blocks and held(other) == 0
     seen = b.route(request)  # b now sends it where its prefix is
     assert seen.endpoint == placed.endpoint and seen.matched_blocks == blocks
+    b.observe_cache_events(placed.endpoint, [(False, hashes[blocks // 2 :])])
+    assert held(placed.endpoint) == blocks  # its share not yet measured: not applied
+    for i in range(24):
+        b.finish(b.route(chat(f"conversation {i} " * 30)))
+    _report_finished(b, 4.0)  # one router of four
+    assert b._share_measured and b._traffic_share < 0.5
     b.observe_cache_events(placed.endpoint, [(False, hashes[blocks // 2 :])])
     assert held(placed.endpoint) == blocks // 2
     b.observe_cache_events(placed.endpoint, [(True, hashes[blocks // 2 :]), (False, hashes)])
