@@ -71,10 +71,11 @@ class CacheEventSubscriber:
         config: CacheEventsConfig,
         translation: Translation,
         addresses: Callable[[], list[str]],
-        on_changes: Callable[[str, Changes], bool],
+        on_changes: Callable[[str, Changes], set[bool | None]],
         on_count: Callable[[str, str, int], None] | None = None,
     ) -> None:
-        """``on_changes(endpoint, changes)`` applies them; False: the router ignored them.
+        """``on_changes(endpoint, changes)`` applies them and returns the kinds it applied
+        (True: stores, False: evictions, None: a clear); the rest the router ignored.
         ``on_count(endpoint, kind, n)``: each addition to ``counts`` (the metrics)."""
         self.config = config
         self.translation = translation
@@ -258,14 +259,15 @@ class CacheEventSubscriber:
                 self._count(endpoint, "malformed_messages", 1)
                 break
             self._count(endpoint, "untranslated_blocks", table.untranslated - untranslated)
-            if changes and self._on_changes(endpoint, changes):
-                for held, hashes in changes:
-                    kind = (
-                        "cleared" if held is None else "stored_blocks" if held else "removed_blocks"
-                    )
-                    self._count(endpoint, kind, 1 if held is None else len(hashes))
-            elif changes:
-                ignored = True
+            applied = self._on_changes(endpoint, changes) if changes else set()
+            for held, hashes in changes:
+                if held is not None and not len(hashes):
+                    continue  # (blocks that gave the router none: untranslated_blocks)
+                if held not in applied:
+                    ignored = True
+                    continue
+                kind = "cleared" if held is None else "stored_blocks" if held else "removed_blocks"
+                self._count(endpoint, kind, 1 if held is None else len(hashes))
             await _let_decisions_run()
         if ignored:
             self._count(endpoint, "ignored_messages", 1)

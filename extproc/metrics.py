@@ -149,7 +149,8 @@ class RouterMetrics:
             "The endpoints' KV-cache events read (cache_events config), by kind: "
             "stored_blocks / removed_blocks (the router's blocks they gave), cleared, "
             "untranslated_blocks (the endpoint's blocks that gave none), ignored_messages "
-            "(a router placing nearly all traffic ignores stores and evictions), "
+            "(with events not applied: a router placing nearly all traffic ignores stores and "
+            "evictions, one yet to measure its share evictions), "
             "replayed_messages, missed_messages (sequence gaps not replayed), "
             "replay_timeouts, restarts (the sequence started over), malformed_messages, "
             "socket_errors",

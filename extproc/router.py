@@ -58,6 +58,10 @@ TRAFFIC_SHARE_WINDOWS = 64
 TRAFFIC_SHARE_MIN_REQUESTS = 16
 # A peer router replica silent for this long no longer counts (observe_peer_work).
 PEER_FORGET_SECONDS = 30.0
+# A router yet to measure its traffic share skips the KV-cache events' evictions for at most
+# this long after its first events (Router.observe_cache_events): at low traffic the share
+# may stay unmeasured, and a router of several must not go without them for good.
+UNMEASURED_EVICTIONS_SKIP_SECONDS = 120.0
 # The mean of this router's last this-many prefill charges (a plain mean until then):
 # Router._unseen prices another router's waiting request at it.
 TYPICAL_WORK_REQUESTS = 50
@@ -235,6 +239,7 @@ class Router:
         # Until when the index is told of more than this router's own placements (KV-cache
         # events, peers' placements): _index_shared.
         self._index_shared_until = -math.inf
+        self._events_first_read: float | None = None  # clock time of the first KV-cache events
         self._alone_cold_margin = self.cost.cold_margin
         self.set_endpoints(endpoints)
         self.endpoints_known = endpoints_known  # (set_endpoints sets it)
@@ -1124,7 +1129,7 @@ class Router:
     # -- the endpoints' own cache reports -------------------------------------------------
     def observe_cache_events(
         self, address: str, events: Sequence[tuple[bool | None, np.ndarray]]
-    ) -> bool:
+    ) -> set[bool | None]:
         """What an endpoint reports it stored and evicted (vLLM's KV-cache events), in
         order, each (stored, block hashes of this router's), or (None, ...): it cleared its
         whole cache. The index then holds what the endpoint holds, whoever placed it, where
@@ -1139,32 +1144,43 @@ class Router:
         every placement at its decision, and in the simulator's two overloaded cells
         reading them cost a router alone up to 0.07 of hit ratio and 40% of p99, while
         elsewhere they changed it by under 0.005 (docs/benchmarks.md, "KV-cache events").
-        Until it has measured its share (the endpoints' counts of TRAFFIC_SHARE_MIN_REQUESTS
-        arrivals: in the simulator's Mooncake 16 x 200k cell a router alone took 91 s) it
-        reads the stores, which alone tell it of other routers' placements, and skips the
+        Until it has measured its share (TRAFFIC_SHARE_MIN_REQUESTS arrivals in the
+        endpoints' counts: in the simulator's Mooncake 16 x 200k cell a router alone took
+        91 s) it reads the stores, which tell it of other routers' placements, and skips the
         evictions, which cost a router alone: they cut its record of where a prefix lives
         short and send the prefix's next requests elsewhere (that cell, one router: 0.331 of
-        hit ratio without events, 0.317 with, 0.331 with this; docs/benchmarks.md). A
-        cleared cache empties the endpoint's index either way."""
+        hit ratio without events, 0.317 with, 0.331 with this; docs/benchmarks.md) — for at
+        most UNMEASURED_EVICTIONS_SKIP_SECONDS after its first events, as at low traffic the
+        share may stay unmeasured. A cleared cache empties the endpoint's index either way.
+        Returns the kinds applied (True: stores, False: evictions, None: a clear)."""
         i = self._position.get(address)
+        applied: set[bool | None] = set()
         if i is None:
-            return False
+            return applied
+        now = self.clock()
+        if self._events_first_read is None:
+            self._events_first_read = now
         alone = self._share_measured and self._traffic_share >= self.config.balance_min_share
-        unmeasured = not self._share_measured
+        skip_evictions = (
+            not self._share_measured
+            and now - self._events_first_read < UNMEASURED_EVICTIONS_SKIP_SECONDS
+        )
         for stored, run in itertools.groupby(events, key=lambda event: event[0]):
             if stored is None:
                 self._forget(address)
+                applied.add(None)
                 continue
             chains = [hashes for _, hashes in run if len(hashes)]
-            if alone or not chains or (unmeasured and not stored):
+            if alone or not chains or (skip_evictions and not stored):
                 continue
-            self._index_shared_until = self.clock() + PEER_FORGET_SECONDS
+            applied.add(stored)
+            self._index_shared_until = now + PEER_FORGET_SECONDS
             if stored:
                 self._record_newest_first(i, chains[::-1])  # the newest event's blocks newest
             else:
                 blocks = np.concatenate(chains).astype(np.uint64, copy=False)
                 self._update(i, False, blocks)
-        return not alone
+        return applied
 
     # -- placements shared with peers -----------------------------------------------------
     def _log_placement(self, address: str, hashes: np.ndarray) -> None:

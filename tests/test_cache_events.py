@@ -590,7 +590,7 @@ async def test_a_fault_while_reading_an_endpoints_events_is_counted_and_reading_
         CacheEventsConfig(publisher="ipc:///x-{port}", topic="kv", model_dir="x", model=MODEL),
         translation,
         lambda: ["127.0.0.1:8001"],
-        lambda endpoint, changes: True,
+        lambda endpoint, changes: {None, True, False},
     )
     calls = 0
 
@@ -648,6 +648,50 @@ def test_a_router_applies_an_endpoints_events_unless_it_places_nearly_all_traffi
     assert router.index.match(hashes, router.endpoints) == {"10.0.0.2:8000": len(hashes)}
     router.observe_cache_events("10.0.0.2:8000", [(None, cache_events.EMPTY)])  # cleared: always
     assert router.index.match(hashes, router.endpoints) == {}
+
+
+async def test_evictions_a_router_skips_are_counted_as_ignored(translation: Translation) -> None:
+    """A router yet to measure its traffic share skips evictions (Router.observe_cache_events):
+    the subscriber counts that message as ignored, not its blocks as removed; measured as one
+    router of four, the same eviction is applied and counted."""
+    endpoint = "127.0.0.1:8001"
+    router = Router(RoutingConfig(block_size_bytes=BLOCK), [EndpointConfig(address=endpoint)])
+    subscriber = CacheEventSubscriber(
+        CacheEventsConfig(publisher="ipc:///x-{port}", topic="kv", model_dir="x", model=MODEL),
+        translation,
+        lambda: [endpoint],
+        router.observe_cache_events,
+    )
+    subscriber.tables[endpoint] = EndpointCacheEvents(translation)
+    messages = _first_turn()
+    prompt = _encode(_rendered(messages))
+    events = _events_of(prompt, len(prompt) // VLLM_BLOCK)
+    hashes = _router_hashes(messages)
+    removed = [{"type": "BlockRemoved", "block_hashes": events[0]["block_hashes"]}]
+
+    async def publish(sequence: int, payload: list[dict[str, object]]) -> None:
+        frames = [b"kv", sequence.to_bytes(8, "big"), msgspec.msgpack.encode([0.0, payload, 0])]
+        await subscriber.handle(endpoint, frames, sequence)
+
+    def counts() -> dict[str, int]:
+        return {kind: n for (_, kind), n in subscriber.counts.items()}
+
+    await publish(0, events)
+    assert counts()["stored_blocks"] >= len(hashes) - 1 and not counts().get("ignored_messages")
+    stored = counts()["stored_blocks"]
+    other = [{"role": "user", "content": "A question of another application. " * 12}]
+    other_prompt = _encode(_rendered(other))
+    other_events = _events_of(other_prompt, len(other_prompt) // VLLM_BLOCK)
+    await publish(1, [*removed, *other_events])  # an eviction and another chain's blocks
+    assert counts().get("removed_blocks", 0) == 0 and counts()["ignored_messages"] == 1
+    assert counts()["stored_blocks"] > stored  # the stores of that message are counted
+    assert router.index.match(hashes, [endpoint])[endpoint] >= len(hashes) - 1
+    assert router.index.match(_router_hashes(other), [endpoint])
+    router._share_measured, router._traffic_share = True, 0.25  # one router of four
+    await publish(2, events)  # stored again, then evicted again
+    await publish(3, removed)
+    assert counts()["removed_blocks"] > 0 and counts()["ignored_messages"] == 1
+    assert router.index.match(hashes, [endpoint]) == {}
 
 
 async def test_the_subscriber_feeds_an_endpoints_published_events_to_the_router(
@@ -765,7 +809,7 @@ async def test_decisions_run_between_messages_and_between_pieces_of_one(
         CacheEventsConfig(publisher="ipc:///x-{port}", topic="kv", model_dir="x", model=MODEL),
         translation,
         lambda: ["127.0.0.1:8001"],
-        lambda endpoint, changes: handled.append(len(changes)) or True,
+        lambda endpoint, changes: handled.append(len(changes)) or {held for held, _ in changes},
     )
     monkeypatch.setattr(subscriber, "_socket", lambda kind, address: WaitingSocket())
     seen_by_a_decision: list[int] = []

@@ -10,7 +10,7 @@ import pytest
 from extproc.config import EndpointConfig, RoutingConfig
 from extproc.placements import Placement, PlacementLog
 from extproc.prompt import parse_request
-from extproc.router import Router
+from extproc.router import UNMEASURED_EVICTIONS_SKIP_SECONDS, Router
 from extproc.scheduler import (
     RULE_AFFINITY,
     RULE_COLD_START,
@@ -1733,6 +1733,11 @@ def test_an_endpoints_cache_events_teach_the_index_what_it_holds_in_order():
     assert seen.endpoint == placed.endpoint and seen.matched_blocks == blocks
     b.observe_cache_events(placed.endpoint, [(False, hashes[blocks // 2 :])])
     assert held(placed.endpoint) == blocks  # its share not yet measured: not applied
+    # A batch of both: the stores applied, the evictions not (what it returns says which).
+    more = a.route(chat("What is a heap? " * 40)).hashes
+    assert b.observe_cache_events(placed.endpoint, [(False, hashes), (True, more)]) == {True}
+    assert held(placed.endpoint) == blocks
+    assert b.index.match(more, [placed.endpoint]) == {placed.endpoint: len(more)}
     for i in range(24):
         b.finish(b.route(chat(f"conversation {i} " * 30)))
     _report_finished(b, 4.0)  # one router of four
@@ -1746,6 +1751,31 @@ def test_an_endpoints_cache_events_teach_the_index_what_it_holds_in_order():
     b.observe_cache_events("10.9.9.9:8000", [(True, hashes)])  # not an endpoint: ignored
     b.observe_cache_events(placed.endpoint, [])
     assert held(placed.endpoint) == 3
+
+
+def test_a_router_yet_to_measure_its_share_reads_evictions_after_a_while():
+    """Evictions are skipped until the share is measured, for at most
+    UNMEASURED_EVICTIONS_SKIP_SECONDS after the first events: at low traffic the share may
+    stay unmeasured, and a router of several must not go without them for good. Skipped,
+    they do not mark the index as shared either."""
+    clock = Clock()
+    router = Router(RoutingConfig(), ENDPOINTS, clock=clock)
+    hashes = Router(RoutingConfig(), ENDPOINTS).route(chat("What is a B-tree? " * 40)).hashes
+    target = ENDPOINTS[0].address
+
+    def held() -> int:
+        return router.index.match(hashes, [target]).get(target, 0)
+
+    assert router.observe_cache_events(target, [(False, hashes)]) == set()
+    assert not router._index_shared()
+    assert router.observe_cache_events(target, [(True, hashes)]) == {True}
+    assert router._index_shared()
+    clock.now += UNMEASURED_EVICTIONS_SKIP_SECONDS - 1
+    assert router.observe_cache_events(target, [(False, hashes)]) == set()
+    assert held() == len(hashes)
+    clock.now += 1
+    assert router.observe_cache_events(target, [(False, hashes)]) == {False}
+    assert held() == 0
 
 
 @pytest.mark.parametrize(("finished_per_sent", "applied"), [(1.0, False), (4.0, True)])
