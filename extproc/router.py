@@ -53,8 +53,9 @@ PREFILL_RATE_MIN_PREFILLS = 16
 # that failed) with a prefill time equal to its monotonic clock, the host's uptime.
 PREFILL_SECONDS_MAX = 600.0
 # This router's share of the requests that reach the endpoints (Router._learn_traffic_share):
-# decaying sums over about this many scrape windows, trusted once they hold this many.
-TRAFFIC_SHARE_WINDOWS = 64
+# sums decaying with this time constant, however many endpoints are read and however often
+# (64 readings of one endpoint scraped every 0.5 s), trusted once they hold this many.
+TRAFFIC_SHARE_SECONDS = 32.0
 TRAFFIC_SHARE_MIN_REQUESTS = 16
 # A peer router replica silent for this long no longer counts (observe_peer_work).
 PEER_FORGET_SECONDS = 30.0
@@ -226,6 +227,7 @@ class Router:
         self._running_read = np.zeros(0)
         self._waiting_read = np.zeros(0)
         self._share_sent = self._share_arrived = 0.0
+        self._share_decayed_at = -math.inf
         self._traffic_share = 1.0
         self._share_measured = False
         # Prefill work of the cold starts this router placed on each endpoint, decaying.
@@ -552,8 +554,10 @@ class Router:
 
     def _learn_traffic_share(self, i: int, arrived: float) -> None:
         """This router's share of the requests the endpoints serve: what it sent them against
-        what reached them (``_arrivals``), over about the last
-        TRAFFIC_SHARE_WINDOWS scrape windows. Under half, other router replicas (or clients)
+        what reached them (``_arrivals``), in sums decaying with time (TRAFFIC_SHARE_SECONDS):
+        sums that decayed at every endpoint's reading held a window of 32 / N seconds at N
+        endpoints read twice a second, under 16 requests below N / 2 requests a second, so
+        a router of several at low traffic never knew it was one. Under half, other router replicas (or clients)
         place the rest without this router's index, and a cold start that stays on the
         rendezvous pick is what lets their placements meet: the cold-start margin moves
         from cold_margin (alone) to shared_cold_margin (half or less), linearly, and the
@@ -563,7 +567,9 @@ class Router:
         18 cells with margin 1 against 6 with 0.5, while one router's tails are shorter
         with a small margin (0.5 then, cold_margin 0.1 since; docs/benchmarks.md)."""
         sent, self._sent[i] = float(self._sent[i]), 0
-        keep = 1.0 - 1.0 / TRAFFIC_SHARE_WINDOWS
+        now = self.clock()
+        keep = math.exp(-max(0.0, now - self._share_decayed_at) / TRAFFIC_SHARE_SECONDS)
+        self._share_decayed_at = now
         self._share_sent = keep * self._share_sent + sent
         self._share_arrived = keep * self._share_arrived + arrived
         if self._share_arrived < TRAFFIC_SHARE_MIN_REQUESTS:

@@ -1309,6 +1309,64 @@ def test_the_traffic_share_waits_for_enough_finished_requests_and_can_be_switche
     assert fixed.traffic_share == pytest.approx(0.25) and fixed.cold_margin == 0.7
 
 
+def _share_at_low_traffic(
+    endpoints: int, scrape_seconds: float, every: int, request_seconds: float = 1.0
+) -> Router:
+    """A router sent every ``every``-th of the requests that reach ``endpoints`` endpoints,
+    one each ``request_seconds`` (others' requests arrive too), each endpoint read every
+    ``scrape_seconds`` for 40 s and reporting finishing at once what reached it."""
+    clock = Clock()
+    addresses = [EndpointConfig(address=f"10.1.0.{i}:8000") for i in range(endpoints)]
+    router = Router(RoutingConfig(), addresses, clock=clock)
+    arrived = [0.0] * endpoints
+    counters = [(0.0, 0.0, 0.0)] * endpoints
+    next_request, n = 0.0, 0
+    while clock.now < 40.0:
+        while next_request <= clock.now:
+            i = n % endpoints
+            if n % every == 0:
+                only = frozenset({addresses[i].address})
+                router.finish(router.route(chat(f"quiet {n} " * 30), allowed=only))
+            arrived[i] += 1.0
+            next_request, n = next_request + request_seconds, n + 1
+        for i, e in enumerate(addresses):
+            done = (1000.0 * arrived[i], arrived[i], 0.1 * arrived[i])
+            window = tuple(b - a for a, b in zip(counters[i], done, strict=True))
+            counters[i] = done
+            router.observe_signals(
+                e.address,
+                up=True,
+                running=0,
+                waiting=0,
+                prefill_window=window if window[1] else None,
+                counts_finished=True,
+            )
+        clock.now += scrape_seconds
+    return router
+
+
+def test_a_router_measures_its_share_at_low_traffic_however_many_endpoints_it_reads():
+    """A real router reads every endpoint every 0.5 s, traffic or not. Sums that decayed at
+    every reading (by 1/64) held about 32 / N seconds of arrivals at N endpoints: at 1
+    request a second over 16 endpoints, 2 requests, never the 16 a share needs, so one
+    router of four took itself for alone for good (and one alone never balanced its cold
+    starts). Decaying with time, a router measures the same share however many endpoints
+    it reads and however often, as the simulator's router, which reads them only when it
+    routes, does."""
+    for endpoints in (2, 16):
+        for scrape_seconds in (0.5, 0.1, 2.0):
+            for every in (1, 4):
+                router = _share_at_low_traffic(endpoints, scrape_seconds, every)
+                case = (endpoints, scrape_seconds, every)
+                assert router._share_measured, case
+                assert router.traffic_share == pytest.approx(1.0 / every, abs=0.05), case
+                expected = ALONE if every == 1 else SHARED
+                assert router.cold_margin == pytest.approx(expected, abs=0.05), case
+    # One request every 4 s: the sums hold about 8, too few to judge; taken for alone.
+    quiet = _share_at_low_traffic(16, 0.5, 4, request_seconds=4.0)
+    assert not quiet._share_measured and quiet.cold_margin == ALONE
+
+
 def test_with_a_minor_share_a_cold_start_stays_on_the_pick_other_routers_make():
     """Queued work between cold_margin and 1 cold prefill above the least: a router alone moves the
     new conversation off its rendezvous pick, one of several keeps it there (where the other

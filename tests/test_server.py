@@ -20,7 +20,6 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from extproc.config import EndpointConfig, load_config
 from extproc.hashing import block_hashes, root_hash
 from extproc.prompt import parse_request
-from extproc.router import TRAFFIC_SHARE_WINDOWS
 from extproc.serve import EXT_PROC_SERVICE, RouterService
 from extproc.signals import EndpointSignals
 
@@ -922,11 +921,12 @@ async def test_a_router_measures_its_share_from_the_queues_before_requests_finis
                     break
                 await asyncio.sleep(0.05)
             assert svc.scraper.latest[address].prefills == 0  # none finished
-            # (At most one window's decay short of 1: a scrape between the router's
-            # decisions and the requests reaching the replica counts them sent a window
-            # before they are seen arriving; seen once in a fresh clone's suite, 63/64.)
+            # (A little short of 1: a scrape between the router's decisions and the
+            # requests reaching the replica counts them sent before they are seen
+            # arriving, and the sums decay in between; seen once in a fresh clone's suite,
+            # 63/64 when they decayed by 1/64 a reading. Sums decay by 1.6 % in 0.5 s.)
             assert svc.router._share_measured
-            assert svc.router.traffic_share >= 1.0 - 1.0 / TRAFFIC_SHARE_WINDOWS
+            assert svc.router.traffic_share >= 0.95
             for task in sent:
                 task.cancel()
             await asyncio.gather(*sent, return_exceptions=True)
