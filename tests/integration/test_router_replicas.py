@@ -98,6 +98,37 @@ def test_two_routers_each_see_half_the_traffic_and_widen_their_cold_margin(tmp_p
             assert 0.35 < share < 0.65 and margin > 0.85, readings
 
 
+def test_two_routers_at_low_traffic_over_eight_replicas_each_see_half(tmp_path):
+    """A router reads every replica every 0.5 s (the default), traffic or not. At 1.5
+    requests a second over 8 replicas, sums that decayed at every reading held 4 s of
+    arrivals, about 6, never the 16 a share needs: each router took itself for alone. Sums
+    that decay with time (32 s) hold ~22 after 20 s."""
+    with Stack(workdir=tmp_path) as stack:
+        replicas = stack.start_replicas(8, FAST)
+        names = ["router-a", "router-b"]
+        envoy_ports, admin_ports = [], []
+        for name in names:
+            address, _ = stack.start_router(
+                replicas,
+                name=name,
+                extra_args=[
+                    *["--set", "health.enabled=false"],
+                    *router_args_for("override-host"),
+                ],
+            )
+            port, _ = stack.start_proxy("override-host", replicas, address, name=f"envoy-{name}")
+            envoy_ports.append(port)
+            admin_ports.append(stack.router_admin_ports[name])
+        start = time.monotonic()
+        for i in range(30):  # 1.5 a second for 20 s, alternating routers
+            time.sleep(max(0.0, start + i / 1.5 - time.monotonic()))
+            response = request(envoy_ports[i % 2], chat_body(f"quiet conversation {i}"))
+            assert response.status == 200, response.body
+        readings = _settled(admin_ports, lambda s, m: s < 0.65 and m > 0.85)
+        for share, margin in readings:
+            assert 0.35 < share < 0.65 and margin > 0.85, readings
+
+
 def test_peers_count_each_others_queued_work(tmp_path):
     """Router A has a long stream waiting for its prefill on one replica; router B, told A's
     admin address (peers), sends new conversations elsewhere, even those whose rendezvous
