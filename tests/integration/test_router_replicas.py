@@ -98,6 +98,7 @@ def test_two_routers_each_see_half_the_traffic_and_widen_their_cold_margin(tmp_p
             assert 0.35 < share < 0.65 and margin > 0.85, readings
 
 
+@pytest.mark.slow
 def test_two_routers_at_low_traffic_over_eight_replicas_each_see_half(tmp_path):
     """A router reads every replica every 0.5 s (the default), traffic or not. At 1.5
     requests a second over 8 replicas, sums that decayed at every reading held 4 s of
