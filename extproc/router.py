@@ -555,9 +555,11 @@ class Router:
     def _learn_traffic_share(self, i: int, arrived: float) -> None:
         """This router's share of the requests the endpoints serve: what it sent them against
         what reached them (``_arrivals``), in sums decaying with time (TRAFFIC_SHARE_SECONDS):
-        sums that decayed at every endpoint's reading held a window of 32 / N seconds at N
-        endpoints read twice a second, under 16 requests below N / 2 requests a second, so
-        a router of several at low traffic never knew it was one. Under half, other router replicas (or clients)
+        sums that decayed at every endpoint's reading held 32 / N seconds of arrivals at N
+        endpoints read twice a second, under 16 below N / 2 requests a second, so a router
+        of several at low traffic never knew it was one. The price: a router joining or
+        leaving takes tens of seconds to show (share 1 -> 0.5 passes 0.9 in ~7 s, 0.55 in
+        ~74 s). Under half, other router replicas (or clients)
         place the rest without this router's index, and a cold start that stays on the
         rendezvous pick is what lets their placements meet: the cold-start margin moves
         from cold_margin (alone) to shared_cold_margin (half or less), linearly, and the
@@ -569,7 +571,7 @@ class Router:
         sent, self._sent[i] = float(self._sent[i]), 0
         now = self.clock()
         keep = math.exp(-max(0.0, now - self._share_decayed_at) / TRAFFIC_SHARE_SECONDS)
-        self._share_decayed_at = now
+        self._share_decayed_at = max(self._share_decayed_at, now)
         self._share_sent = keep * self._share_sent + sent
         self._share_arrived = keep * self._share_arrived + arrived
         if self._share_arrived < TRAFFIC_SHARE_MIN_REQUESTS:

@@ -924,7 +924,8 @@ async def test_a_router_measures_its_share_from_the_queues_before_requests_finis
             # (A little short of 1: a scrape between the router's decisions and the
             # requests reaching the replica counts them sent before they are seen
             # arriving, and the sums decay in between; seen once in a fresh clone's suite,
-            # 63/64 when they decayed by 1/64 a reading. Sums decay by 1.6 % in 0.5 s.)
+            # 63/64 when they decayed by 1/64 a reading. They decay by 0.3 % in this
+            # test's 0.1 s between scrapes.)
             assert svc.router._share_measured
             assert svc.router.traffic_share >= 0.95
             for task in sent:
