@@ -1154,10 +1154,12 @@ class Router:
         elsewhere they changed it by under 0.005 (docs/benchmarks.md, "KV-cache events").
         Until it has measured its share (TRAFFIC_SHARE_MIN_REQUESTS arrivals in the
         endpoints' counts: in the simulator's Mooncake 16 x 200k cell a router alone took
-        91 s) it reads the stores, which tell it of other routers' placements, and skips the
+        91 s while the share's sums decayed at every reading, 5 s since they decay with time)
+        it reads the stores, which tell it of other routers' placements, and skips the
         evictions, which cost a router alone: they cut its record of where a prefix lives
-        short and send the prefix's next requests elsewhere (that cell, one router: 0.331 of
-        hit ratio without events, 0.317 with, 0.331 with this; docs/benchmarks.md) — for at
+        short and send the prefix's next requests elsewhere (that cell, one router, before
+        the sums decayed with time: 0.331 of hit ratio without events, 0.317 with, 0.331 with
+        this; docs/benchmarks.md) — for at
         most UNMEASURED_EVICTIONS_SKIP_SECONDS after its first events, as at low traffic the
         share may stay unmeasured. A cleared cache empties the endpoint's index either way.
         Returns the kinds applied (True: stores, False: evictions, None: a clear)."""
