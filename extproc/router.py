@@ -53,9 +53,13 @@ PREFILL_RATE_MIN_PREFILLS = 16
 # that failed) with a prefill time equal to its monotonic clock, the host's uptime.
 PREFILL_SECONDS_MAX = 600.0
 # This router's share of the requests that reach the endpoints (Router._learn_traffic_share):
-# sums decaying with this time constant, however many endpoints are read and however often
-# (64 readings of one endpoint scraped every 0.5 s), trusted once they hold this many.
-TRAFFIC_SHARE_SECONDS = 32.0
+# sums decaying with time, one pair per time constant (seconds), however many endpoints are
+# read and however often; the share is read from the shortest window holding
+# TRAFFIC_SHARE_WINDOW_REQUESTS arrivals (about 32 s of them at 1 request a second, 4 s at
+# 8 or more), else the longest once it holds TRAFFIC_SHARE_MIN_REQUESTS (measured from
+# 1 request in 16 s).
+TRAFFIC_SHARE_WINDOWS = (4.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0)
+TRAFFIC_SHARE_WINDOW_REQUESTS = 32
 TRAFFIC_SHARE_MIN_REQUESTS = 16
 # A peer router replica silent for this long no longer counts (observe_peer_work).
 PEER_FORGET_SECONDS = 30.0
@@ -226,7 +230,9 @@ class Router:
         # finished requests (NaN: no such reading), which arrivals and admissions grow from.
         self._running_read = np.zeros(0)
         self._waiting_read = np.zeros(0)
-        self._share_sent = self._share_arrived = 0.0
+        self._share_windows = np.array(TRAFFIC_SHARE_WINDOWS)
+        self._share_sent = np.zeros(len(TRAFFIC_SHARE_WINDOWS))
+        self._share_arrived = np.zeros(len(TRAFFIC_SHARE_WINDOWS))
         self._share_decayed_at = -math.inf
         self._traffic_share = 1.0
         self._share_measured = False
@@ -554,12 +560,15 @@ class Router:
 
     def _learn_traffic_share(self, i: int, arrived: float) -> None:
         """This router's share of the requests the endpoints serve: what it sent them against
-        what reached them (``_arrivals``), in sums decaying with time (TRAFFIC_SHARE_SECONDS):
+        what reached them (``_arrivals``), in sums decaying with time (TRAFFIC_SHARE_WINDOWS):
         sums that decayed at every endpoint's reading held 32 / N seconds of arrivals at N
         endpoints read twice a second, under 16 below N / 2 requests a second, so a router
-        of several at low traffic never knew it was one. The price: a router joining or
-        leaving takes tens of seconds to show (share 1 -> 0.5 passes 0.9 in ~7 s, 0.55 in
-        ~74 s). Under half, other router replicas (or clients)
+        of several at low traffic never knew it was one. One window is a trade: 32 s was
+        measured from 0.5 requests a second, but a router joining or leaving took ~74 s to
+        show at any traffic (share 1 -> 0.5 past 0.55: 2.3 time constants). So the share is
+        read from the shortest of several windows that holds 32 arrivals: a router joining
+        a busy fleet shows in ~9 s, and one at 1 request in 16 s is still measured (the
+        longest window, 256 s, once it holds 16). Under half, other router replicas (or clients)
         place the rest without this router's index, and a cold start that stays on the
         rendezvous pick is what lets their placements meet: the cold-start margin moves
         from cold_margin (alone) to shared_cold_margin (half or less), linearly, and the
@@ -570,14 +579,20 @@ class Router:
         with a small margin (0.5 then, cold_margin 0.1 since; docs/benchmarks.md)."""
         sent, self._sent[i] = float(self._sent[i]), 0
         now = self.clock()
-        keep = math.exp(-max(0.0, now - self._share_decayed_at) / TRAFFIC_SHARE_SECONDS)
+        keep = np.exp(-max(0.0, now - self._share_decayed_at) / self._share_windows)
         self._share_decayed_at = max(self._share_decayed_at, now)
         self._share_sent = keep * self._share_sent + sent
         self._share_arrived = keep * self._share_arrived + arrived
-        if self._share_arrived < TRAFFIC_SHARE_MIN_REQUESTS:
+        full = np.flatnonzero(self._share_arrived >= TRAFFIC_SHARE_WINDOW_REQUESTS)
+        if full.size:
+            window = int(full[0])
+        elif self._share_arrived[-1] >= TRAFFIC_SHARE_MIN_REQUESTS:
+            window = -1
+        else:
             return
         # Requests still on their way (or an endpoint without queue gauges): at most 1.
-        self._traffic_share = min(1.0, self._share_sent / self._share_arrived)
+        share = self._share_sent[window] / self._share_arrived[window]
+        self._traffic_share = min(1.0, float(share))
         self._share_measured = True
         shared = min(1.0, 2.0 * (1.0 - self._traffic_share))
         alone = self._alone_cold_margin

@@ -1,7 +1,9 @@
 """Scheduler rules through the routing core: affinity, load guard, cold-start agreement."""
 
 import dataclasses
+import math
 from collections import Counter
+from collections.abc import Callable, Iterator
 
 import numpy as np
 import orjson
@@ -1159,10 +1161,10 @@ def test_the_prefill_rate_is_learned_from_what_the_endpoints_report():
     assert router.prefill_rate == pytest.approx(8 * per_request / 2.0)  # ~12,900
     # vLLM records a request that failed before it was scheduled with a prefill time of its
     # clock (the host's uptime): that window teaches no rate, but its finishes still count.
-    share_arrived = router._share_arrived
+    share_arrived = router._share_arrived[-1]
     router.observe_signals(ENDPOINTS[0].address, up=True, prefill_window=(9000, 9, 86_402.0))
     assert router.prefill_rate == pytest.approx(8 * per_request / 2.0)
-    assert router._share_arrived > share_arrived + 8
+    assert router._share_arrived[-1] > share_arrived + 8
     # Queued work now drains at that rate.
     decision = router.route(chat("a long prompt " * 400))
     clock.now += decision.work / 2 / router.prefill_rate
@@ -1309,22 +1311,27 @@ def test_the_traffic_share_waits_for_enough_finished_requests_and_can_be_switche
     assert fixed.traffic_share == pytest.approx(0.25) and fixed.cold_margin == 0.7
 
 
-def _share_at_low_traffic(
-    endpoints: int, scrape_seconds: float, every: int, request_seconds: float = 1.0
-) -> Router:
-    """A router sent every ``every``-th of the requests that reach ``endpoints`` endpoints,
-    one each ``request_seconds`` (others' requests arrive too), each endpoint read every
-    ``scrape_seconds`` for 40 s and reporting finishing at once what reached it."""
+def _share_over_time(
+    endpoints: int,
+    scrape_seconds: float,
+    every: Callable[[float], int],
+    request_seconds: float = 1.0,
+    seconds: float = 40.0,
+) -> Iterator[tuple[float, Router]]:
+    """A router sent every ``every(t)``-th of the requests that reach ``endpoints``
+    endpoints, one each ``request_seconds`` (others' requests arrive too), each endpoint
+    read every ``scrape_seconds`` for ``seconds`` and reporting finishing at once what
+    reached it; yields (time, the router) after each round of readings."""
     clock = Clock()
     addresses = [EndpointConfig(address=f"10.1.0.{i}:8000") for i in range(endpoints)]
     router = Router(RoutingConfig(), addresses, clock=clock)
     arrived = [0.0] * endpoints
     counters = [(0.0, 0.0, 0.0)] * endpoints
     next_request, n = 0.0, 0
-    while clock.now < 40.0:
+    while clock.now < seconds:
         while next_request <= clock.now:
             i = n % endpoints
-            if n % every == 0:
+            if n % every(next_request) == 0:
                 only = frozenset({addresses[i].address})
                 router.finish(router.route(chat(f"quiet {n} " * 30), allowed=only))
             arrived[i] += 1.0
@@ -1341,7 +1348,21 @@ def _share_at_low_traffic(
                 prefill_window=window if window[1] else None,
                 counts_finished=True,
             )
+        yield clock.now, router
         clock.now += scrape_seconds
+
+
+def _share_at_low_traffic(
+    endpoints: int,
+    scrape_seconds: float,
+    every: int,
+    request_seconds: float = 1.0,
+    seconds: float = 40.0,
+) -> Router:
+    """The router of ``_share_over_time`` at its end, sent every ``every``-th request."""
+    *_, (_, router) = _share_over_time(
+        endpoints, scrape_seconds, lambda _: every, request_seconds, seconds
+    )
     return router
 
 
@@ -1362,9 +1383,45 @@ def test_a_router_measures_its_share_at_low_traffic_however_many_endpoints_it_re
                 assert router.traffic_share == pytest.approx(1.0 / every, abs=0.05), case
                 expected = ALONE if every == 1 else SHARED
                 assert router.cold_margin == pytest.approx(expected, abs=0.05), case
-    # One request every 4 s: the sums hold about 8, too few to judge; taken for alone.
+    # One request every 4 s: the 32-s window holds about 8, too few to judge; the longest
+    # (256 s) holds 16 after about 70 s and measures it.
     quiet = _share_at_low_traffic(16, 0.5, 4, request_seconds=4.0)
     assert not quiet._share_measured and quiet.cold_margin == ALONE
+    quiet = _share_at_low_traffic(16, 0.5, 4, request_seconds=4.0, seconds=120.0)
+    assert quiet._share_measured and quiet.traffic_share == pytest.approx(0.25, abs=0.05)
+    assert quiet.cold_margin == pytest.approx(SHARED, abs=0.05)
+    # One every 20 s: 13 in 256 s, never measured.
+    rare = _share_at_low_traffic(4, 0.5, 4, request_seconds=20.0, seconds=900.0)
+    assert not rare._share_measured
+
+
+def _when_share_reads(
+    request_seconds: float, joined_at: float, below: float, seconds: float
+) -> float:
+    """Seconds after a second router joined (taking every other request from ``joined_at``)
+    until this one's share reads under ``below``."""
+    for now, router in _share_over_time(
+        8, 0.5, lambda t: 1 if t < joined_at else 2, request_seconds, seconds
+    ):
+        if now > joined_at and router.traffic_share < below:
+            return now - joined_at
+    return math.inf
+
+
+def test_a_router_joining_shows_in_seconds_in_a_busy_fleet_and_is_measured_in_a_quiet_one():
+    """One window is a trade: 32 s measured from 0.5 requests a second, but a second router
+    joining took ~74 s to show at any traffic. Read from the shortest window that holds 32
+    arrivals, it shows in ~9 s at 10 requests a second, as before at 1 a second (~74 s),
+    and later below, where a short window would be noise."""
+    busy = _when_share_reads(0.1, joined_at=60.0, below=0.55, seconds=120.0)
+    assert busy < 12.0  # 2.3 x the 4-s window (one sum of 32 s: ~74 s)
+    steady = _when_share_reads(1.0, joined_at=100.0, below=0.55, seconds=300.0)
+    assert 50.0 < steady < 100.0  # the 32-s window, as before
+    # ... and back: the second router leaves, and the margin narrows again.
+    for now, router in _share_over_time(8, 0.5, lambda t: 2 if t < 60.0 else 1, 0.1, 90.0):
+        if now == 50.0:
+            assert router.cold_margin == pytest.approx(SHARED, abs=0.05)
+    assert router.traffic_share > 0.95 and router.cold_margin == pytest.approx(ALONE, abs=0.05)
 
 
 def test_with_a_minor_share_a_cold_start_stays_on_the_pick_other_routers_make():
