@@ -21,7 +21,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "demo": ("extproc.demo", "Envoy + router + stand-in replicas: prefix vs round robin"),
     "bench": (
         "extproc.bench",
-        "benchmarks: simulate, grid, core, events, latency, overhead, live",
+        "benchmarks: simulate, grid, core, events, share, latency, overhead, live",
     ),
 }
 

@@ -57,7 +57,7 @@ PREFILL_SECONDS_MAX = 600.0
 # read and however often; the share is read from the shortest window holding
 # TRAFFIC_SHARE_WINDOW_REQUESTS arrivals (about 32 s of them at 1 request a second, 4 s at
 # 8 or more), else the longest once it holds TRAFFIC_SHARE_MIN_REQUESTS (measured from
-# 1 request in 16 s).
+# about 1 request in 14 s: 256 s of arrivals hold 16 only in the limit at 1 in 16 s).
 TRAFFIC_SHARE_WINDOWS = (4.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0)
 TRAFFIC_SHARE_WINDOW_REQUESTS = 32
 TRAFFIC_SHARE_MIN_REQUESTS = 16
@@ -567,14 +567,15 @@ class Router:
         measured from 0.5 requests a second, but a router joining or leaving took ~74 s to
         show at any traffic (share 1 -> 0.5 past 0.55: 2.3 time constants). So the share is
         read from the shortest of several windows that holds 32 arrivals: a router joining
-        a busy fleet shows in ~9 s, and one at 1 request in 16 s is still measured (the
-        longest window, 256 s, once it holds 16). Under half, other router replicas (or clients)
-        place the rest without this router's index, and a cold start that stays on the
-        rendezvous pick is what lets their placements meet: the cold-start margin moves
-        from cold_margin (alone) to shared_cold_margin (half or less), linearly, and the
-        stickiness premium's floor from 0 to the full premium (this router's index then
-        sees only part of what fills the caches; CostModel.premium). In the
-        simulator, K=4 router replicas stayed within 0.02 of one router's hit ratio in 12 of
+        a busy fleet shows in ~9 s (at 1 request a second in ~70 s, as before; at 0.5 in
+        ~140 s, the 64-s window's, where 32 s held only 16), and one at 1 request in 14 s
+        is still measured (the longest window, 256 s, once it holds 16). Under half, other
+        router replicas (or clients) place the rest without this router's index, and a
+        cold start that stays on the rendezvous pick is what lets their placements meet:
+        the cold-start margin moves from cold_margin (alone) to shared_cold_margin (half
+        or less), linearly, and the stickiness premium's floor from 0 to the full premium
+        (this router's index then sees only part of what fills the caches;
+        CostModel.premium). In the simulator, K=4 router replicas stayed within 0.02 of one router's hit ratio in 12 of
         18 cells with margin 1 against 6 with 0.5, while one router's tails are shorter
         with a small margin (0.5 then, cold_margin 0.1 since; docs/benchmarks.md)."""
         sent, self._sent[i] = float(self._sent[i]), 0
@@ -678,6 +679,11 @@ class Router:
     def traffic_share(self) -> float:
         """This router's share of the requests its endpoints serve (1 until measured)."""
         return self._traffic_share
+
+    @property
+    def traffic_share_measured(self) -> bool:
+        """Whether ``traffic_share`` is a measurement yet (enough arrivals in a window)."""
+        return self._share_measured
 
     @property
     def cold_margin(self) -> float:

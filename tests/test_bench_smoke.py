@@ -17,6 +17,19 @@ from extproc.cli import main
 METRICS_PAGE = Path(__file__).parent / "data" / "vllm-0.32.0-metrics.txt"
 
 
+def test_bench_share_tells_how_soon_a_router_joining_shows(tmp_path):
+    out = tmp_path / "share.json"
+    args = ["bench", "share", "--rates", "10,0.25", "--quiet-gaps", "4,20", "--json", str(out)]
+    assert main(args) == 0
+    doc = json.loads(out.read_text())
+    busy, quiet = doc["joining"]
+    assert busy["below_0_9_s"] < busy["below_0_55_s"] < 12.0  # the 4-s window's
+    assert 100.0 < quiet["below_0_55_s"] < 400.0  # the 128-s window's
+    measured = [row["measured"] for row in doc["quiet"]]
+    assert measured == [True, False]  # 16 in 256 s at one request every 4 s, not every 20
+    assert doc["command"].startswith("prefix-router bench share")
+
+
 def test_bench_core_short(tmp_path):
     out = tmp_path / "core.json"
     assert (

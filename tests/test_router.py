@@ -1,14 +1,13 @@
 """Scheduler rules through the routing core: affinity, load guard, cold-start agreement."""
 
 import dataclasses
-import math
 from collections import Counter
-from collections.abc import Callable, Iterator
 
 import numpy as np
 import orjson
 import pytest
 
+from extproc.bench_share import seconds_until_share_below, share_over_time
 from extproc.config import EndpointConfig, RoutingConfig
 from extproc.placements import Placement, PlacementLog
 from extproc.prompt import parse_request
@@ -1311,47 +1310,6 @@ def test_the_traffic_share_waits_for_enough_finished_requests_and_can_be_switche
     assert fixed.traffic_share == pytest.approx(0.25) and fixed.cold_margin == 0.7
 
 
-def _share_over_time(
-    endpoints: int,
-    scrape_seconds: float,
-    every: Callable[[float], int],
-    request_seconds: float = 1.0,
-    seconds: float = 40.0,
-) -> Iterator[tuple[float, Router]]:
-    """A router sent every ``every(t)``-th of the requests that reach ``endpoints``
-    endpoints, one each ``request_seconds`` (others' requests arrive too), each endpoint
-    read every ``scrape_seconds`` for ``seconds`` and reporting finishing at once what
-    reached it; yields (time, the router) after each round of readings."""
-    clock = Clock()
-    addresses = [EndpointConfig(address=f"10.1.0.{i}:8000") for i in range(endpoints)]
-    router = Router(RoutingConfig(), addresses, clock=clock)
-    arrived = [0.0] * endpoints
-    counters = [(0.0, 0.0, 0.0)] * endpoints
-    next_request, n = 0.0, 0
-    while clock.now < seconds:
-        while next_request <= clock.now:
-            i = n % endpoints
-            if n % every(next_request) == 0:
-                only = frozenset({addresses[i].address})
-                router.finish(router.route(chat(f"quiet {n} " * 30), allowed=only))
-            arrived[i] += 1.0
-            next_request, n = next_request + request_seconds, n + 1
-        for i, e in enumerate(addresses):
-            done = (1000.0 * arrived[i], arrived[i], 0.1 * arrived[i])
-            window = tuple(b - a for a, b in zip(counters[i], done, strict=True))
-            counters[i] = done
-            router.observe_signals(
-                e.address,
-                up=True,
-                running=0,
-                waiting=0,
-                prefill_window=window if window[1] else None,
-                counts_finished=True,
-            )
-        yield clock.now, router
-        clock.now += scrape_seconds
-
-
 def _share_at_low_traffic(
     endpoints: int,
     scrape_seconds: float,
@@ -1359,8 +1317,8 @@ def _share_at_low_traffic(
     request_seconds: float = 1.0,
     seconds: float = 40.0,
 ) -> Router:
-    """The router of ``_share_over_time`` at its end, sent every ``every``-th request."""
-    *_, (_, router) = _share_over_time(
+    """The router of ``share_over_time`` at its end, sent every ``every``-th request."""
+    *_, (_, router) = share_over_time(
         endpoints, scrape_seconds, lambda _: every, request_seconds, seconds
     )
     return router
@@ -1386,26 +1344,13 @@ def test_a_router_measures_its_share_at_low_traffic_however_many_endpoints_it_re
     # One request every 4 s: the 32-s window holds about 8, too few to judge; the longest
     # (256 s) holds 16 after about 70 s and measures it.
     quiet = _share_at_low_traffic(16, 0.5, 4, request_seconds=4.0)
-    assert not quiet._share_measured and quiet.cold_margin == ALONE
+    assert not quiet.traffic_share_measured and quiet.cold_margin == ALONE
     quiet = _share_at_low_traffic(16, 0.5, 4, request_seconds=4.0, seconds=120.0)
-    assert quiet._share_measured and quiet.traffic_share == pytest.approx(0.25, abs=0.05)
+    assert quiet.traffic_share_measured and quiet.traffic_share == pytest.approx(0.25, abs=0.05)
     assert quiet.cold_margin == pytest.approx(SHARED, abs=0.05)
     # One every 20 s: 13 in 256 s, never measured.
     rare = _share_at_low_traffic(4, 0.5, 4, request_seconds=20.0, seconds=900.0)
-    assert not rare._share_measured
-
-
-def _when_share_reads(
-    request_seconds: float, joined_at: float, below: float, seconds: float
-) -> float:
-    """Seconds after a second router joined (taking every other request from ``joined_at``)
-    until this one's share reads under ``below``."""
-    for now, router in _share_over_time(
-        8, 0.5, lambda t: 1 if t < joined_at else 2, request_seconds, seconds
-    ):
-        if now > joined_at and router.traffic_share < below:
-            return now - joined_at
-    return math.inf
+    assert not rare.traffic_share_measured
 
 
 def test_a_router_joining_shows_in_seconds_in_a_busy_fleet_and_is_measured_in_a_quiet_one():
@@ -1413,12 +1358,12 @@ def test_a_router_joining_shows_in_seconds_in_a_busy_fleet_and_is_measured_in_a_
     joining took ~74 s to show at any traffic. Read from the shortest window that holds 32
     arrivals, it shows in ~9 s at 10 requests a second, as before at 1 a second (~74 s),
     and later below, where a short window would be noise."""
-    busy = _when_share_reads(0.1, joined_at=60.0, below=0.55, seconds=120.0)
+    busy = seconds_until_share_below(10.0, 0.55)
     assert busy < 12.0  # 2.3 x the 4-s window (one sum of 32 s: ~74 s)
-    steady = _when_share_reads(1.0, joined_at=100.0, below=0.55, seconds=300.0)
+    steady = seconds_until_share_below(1.0, 0.55)
     assert 50.0 < steady < 100.0  # the 32-s window, as before
     # ... and back: the second router leaves, and the margin narrows again.
-    for now, router in _share_over_time(8, 0.5, lambda t: 2 if t < 60.0 else 1, 0.1, 90.0):
+    for now, router in share_over_time(8, 0.5, lambda t: 2 if t < 60.0 else 1, 0.1, 90.0):
         if now == 50.0:
             assert router.cold_margin == pytest.approx(SHARED, abs=0.05)
     assert router.traffic_share > 0.95 and router.cold_margin == pytest.approx(ALONE, abs=0.05)
