@@ -28,6 +28,8 @@ from .prompt import parse_request
 from .router import Router
 
 SYSTEM = "You are a meticulous assistant that answers with care. " * 20
+# How long the low-traffic table's routers run.
+QUIET_SECONDS = 1800.0
 
 
 class HandClock:
@@ -106,13 +108,29 @@ def seconds_until_share_below(
     return math.inf
 
 
+def _quiet(gap: float, scrape_seconds: float) -> dict[str, Any]:
+    """A router sent a quarter of one request every ``gap`` seconds over 16 endpoints:
+    when it first measured its share, and the share at the end."""
+    first = None
+    for now, router in share_over_time(16, scrape_seconds, lambda _: 4, gap, QUIET_SECONDS):
+        if first is None and router.traffic_share_measured:
+            first = now
+    return {
+        "seconds_between_requests": gap,
+        "first_measured_s": first,
+        "share": router.traffic_share,
+    }
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "--rates", default="20,10,4,2,1,0.5,0.25", help="requests a second in all (joining)"
+        "--rates",
+        default="20,10,6,4,3,2,1,0.75,0.5,0.25",
+        help="requests a second in all (joining)",
     )
     parser.add_argument(
         "--quiet-gaps",
-        default="2,4,8,12,14,16",
+        default="4,8,12,14,16,17",
         help="seconds between requests for the low-traffic table (a quarter this router's)",
     )
     parser.add_argument("--endpoints", type=int, default=8, help="endpoints read (joining)")
@@ -141,23 +159,16 @@ def run(args: argparse.Namespace) -> int:
             "never" if row[k] is None else f"{row[k]:.1f}" for k in ("below_0_9_s", "below_0_55_s")
         ]
         print(f"| {row['requests_per_second']:g} | {cells[0]} | {cells[1]} |")
-    quiet = []
-    for gap in (float(g) for g in args.quiet_gaps.split(",")):
-        *_, (_, router) = share_over_time(16, args.scrape_seconds, lambda _: 4, gap, 600.0)
-        quiet.append(
-            {
-                "seconds_between_requests": gap,
-                "measured": router.traffic_share_measured,
-                "share": router.traffic_share,
-            }
-        )
+    quiet = [_quiet(float(gap), args.scrape_seconds) for gap in args.quiet_gaps.split(",")]
     print(
-        "\nLow traffic: a router sent a quarter of the requests over 16 endpoints for 600 s "
-        "(it takes itself for alone, share 1, until measured)"
+        f"\nLow traffic: a router sent a quarter of the requests over 16 endpoints for "
+        f"{QUIET_SECONDS:.0f} s (it takes itself for alone, share 1, until measured)"
     )
-    print("| one request every s | measured | share |\n|---:|---|---:|")
+    print("| one request every s | first measured at s | share at the end |\n|---:|---:|---:|")
     for row in quiet:
-        print(f"| {row['seconds_between_requests']:g} | {row['measured']} | {row['share']:.3f} |")
+        first = row["first_measured_s"]
+        when = "never" if first is None else f"{first:.0f}"
+        print(f"| {row['seconds_between_requests']:g} | {when} | {row['share']:.3f} |")
     if args.json_out:
         command = "prefix-router bench share " + " ".join(sys.argv[3:])
         document = {"command": command, "joining": joining, "quiet": quiet}

@@ -54,13 +54,14 @@ PREFILL_RATE_MIN_PREFILLS = 16
 PREFILL_SECONDS_MAX = 600.0
 # This router's share of the requests that reach the endpoints (Router._learn_traffic_share):
 # sums decaying with time, one pair per time constant (seconds), however many endpoints are
-# read and however often; the share is read from the shortest window holding
-# TRAFFIC_SHARE_WINDOW_REQUESTS arrivals (about 32 s of them at 1 request a second, 4 s at
-# 8 or more), else the longest once it holds TRAFFIC_SHARE_MIN_REQUESTS (measured from
-# about 1 request in 14 s: 256 s of arrivals hold 16 only in the limit at 1 in 16 s).
+# read and however often. The share is read from the shortest window that holds enough:
+# TRAFFIC_SHARE_SECONDS and longer once they hold TRAFFIC_SHARE_MIN_REQUESTS arrivals (the
+# 32-s window as it was alone; the longer ones where it holds fewer), the shorter ones only
+# once they hold TRAFFIC_SHARE_SHORT_REQUESTS (from 16 requests a second for the 4-s one).
 TRAFFIC_SHARE_WINDOWS = (4.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0)
-TRAFFIC_SHARE_WINDOW_REQUESTS = 32
+TRAFFIC_SHARE_SECONDS = 32.0
 TRAFFIC_SHARE_MIN_REQUESTS = 16
+TRAFFIC_SHARE_SHORT_REQUESTS = 64
 # A peer router replica silent for this long no longer counts (observe_peer_work).
 PEER_FORGET_SECONDS = 30.0
 # A router yet to measure its traffic share skips the KV-cache events' evictions for at most
@@ -231,6 +232,11 @@ class Router:
         self._running_read = np.zeros(0)
         self._waiting_read = np.zeros(0)
         self._share_windows = np.array(TRAFFIC_SHARE_WINDOWS)
+        self._share_needs = np.where(
+            self._share_windows < TRAFFIC_SHARE_SECONDS,
+            TRAFFIC_SHARE_SHORT_REQUESTS,
+            TRAFFIC_SHARE_MIN_REQUESTS,
+        )
         self._share_sent = np.zeros(len(TRAFFIC_SHARE_WINDOWS))
         self._share_arrived = np.zeros(len(TRAFFIC_SHARE_WINDOWS))
         self._share_decayed_at = -math.inf
@@ -563,34 +569,35 @@ class Router:
         what reached them (``_arrivals``), in sums decaying with time (TRAFFIC_SHARE_WINDOWS):
         sums that decayed at every endpoint's reading held 32 / N seconds of arrivals at N
         endpoints read twice a second, under 16 below N / 2 requests a second, so a router
-        of several at low traffic never knew it was one. One window is a trade: 32 s was
-        measured from 0.5 requests a second, but a router joining or leaving took ~74 s to
-        show at any traffic (share 1 -> 0.5 past 0.55: 2.3 time constants). So the share is
-        read from the shortest of several windows that holds 32 arrivals: a router joining
-        a busy fleet shows in ~9 s (at 1 request a second in ~70 s, as before; at 0.5 in
-        ~140 s, the 64-s window's, where 32 s held only 16), and one at 1 request in 14 s
-        is still measured (the longest window, 256 s, once it holds 16). Under half, other
+        of several at low traffic never knew it was one. One 32-s window was measured from
+        0.5 requests a second, but a router joining or leaving took ~70 s to show at any
+        traffic (share 1 -> 0.5 past 0.55: 2.3 time constants), and a quieter fleet was never
+        measured. So the sums are kept over several windows and the share read from the
+        shortest that holds enough: the 32-s one and longer from 16 arrivals (as before;
+        the longer ones where 32 s holds fewer: measured down to about 1 request in 16 s
+        in all, after ~15 minutes there), the shorter ones only from 64 (read from 16, a
+        half's standard deviation is 0.125, from 64 0.06: a short window would flap).
+        A router joining a fleet at 4, 10 and 20 requests a second shows in ~37, ~18 and
+        ~9 s; at 3 or fewer, as before (prefix-router bench share). Under half, other
         router replicas (or clients) place the rest without this router's index, and a
         cold start that stays on the rendezvous pick is what lets their placements meet:
         the cold-start margin moves from cold_margin (alone) to shared_cold_margin (half
         or less), linearly, and the stickiness premium's floor from 0 to the full premium
         (this router's index then sees only part of what fills the caches;
-        CostModel.premium). In the simulator, K=4 router replicas stayed within 0.02 of one router's hit ratio in 12 of
-        18 cells with margin 1 against 6 with 0.5, while one router's tails are shorter
-        with a small margin (0.5 then, cold_margin 0.1 since; docs/benchmarks.md)."""
+        CostModel.premium). In the simulator, K=4 router replicas stayed within 0.02 of one
+        router's hit ratio in 12 of 18 cells with margin 1 against 6 with 0.5, while one
+        router's tails are shorter with a small margin (0.5 then, cold_margin 0.1 since;
+        docs/benchmarks.md)."""
         sent, self._sent[i] = float(self._sent[i]), 0
         now = self.clock()
         keep = np.exp(-max(0.0, now - self._share_decayed_at) / self._share_windows)
         self._share_decayed_at = max(self._share_decayed_at, now)
         self._share_sent = keep * self._share_sent + sent
         self._share_arrived = keep * self._share_arrived + arrived
-        full = np.flatnonzero(self._share_arrived >= TRAFFIC_SHARE_WINDOW_REQUESTS)
-        if full.size:
-            window = int(full[0])
-        elif self._share_arrived[-1] >= TRAFFIC_SHARE_MIN_REQUESTS:
-            window = -1
-        else:
+        enough = np.flatnonzero(self._share_arrived >= self._share_needs)
+        if not enough.size:
             return
+        window = int(enough[0])
         # Requests still on their way (or an endpoint without queue gauges): at most 1.
         share = self._share_sent[window] / self._share_arrived[window]
         self._traffic_share = min(1.0, float(share))
