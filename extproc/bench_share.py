@@ -91,9 +91,9 @@ def _request(text: str) -> Any:
 def seconds_until_share_below(
     rate: float, below: float, endpoints: int = 8, scrape_seconds: float = 0.5
 ) -> float:
-    """Seconds after a second router joined (taking every other request, after 300
-    requests of this one alone) until this one's share reads under ``below``; inf if not
-    within 1,200 requests' time."""
+    """Seconds after a second router joined (taking every other request, after this one
+    had them all for 60 s plus 300 requests' time) until this one's share reads under
+    ``below``; inf if not within 1,200 requests' time and 600 s."""
     request_seconds = 1.0 / rate
     joined_at = 300 * request_seconds + 60.0
     for now, router in share_over_time(
@@ -130,7 +130,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--quiet-gaps",
-        default="4,8,12,14,16,17",
+        default="1,2,3,4,8,16",
         help="seconds between requests for the low-traffic table (a quarter this router's)",
     )
     parser.add_argument("--endpoints", type=int, default=8, help="endpoints read (joining)")

@@ -53,15 +53,10 @@ PREFILL_RATE_MIN_PREFILLS = 16
 # that failed) with a prefill time equal to its monotonic clock, the host's uptime.
 PREFILL_SECONDS_MAX = 600.0
 # This router's share of the requests that reach the endpoints (Router._learn_traffic_share):
-# sums decaying with time, one pair per time constant (seconds), however many endpoints are
-# read and however often. The share is read from the shortest window that holds enough:
-# TRAFFIC_SHARE_SECONDS and longer once they hold TRAFFIC_SHARE_MIN_REQUESTS arrivals (the
-# 32-s window as it was alone; the longer ones where it holds fewer), the shorter ones only
-# once they hold TRAFFIC_SHARE_SHORT_REQUESTS (from 16 requests a second for the 4-s one).
-TRAFFIC_SHARE_WINDOWS = (4.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0)
+# sums decaying with this time constant, however many endpoints are read and however often
+# (64 readings of one endpoint scraped every 0.5 s), trusted once they hold this many.
 TRAFFIC_SHARE_SECONDS = 32.0
 TRAFFIC_SHARE_MIN_REQUESTS = 16
-TRAFFIC_SHARE_SHORT_REQUESTS = 64
 # A peer router replica silent for this long no longer counts (observe_peer_work).
 PEER_FORGET_SECONDS = 30.0
 # A router yet to measure its traffic share skips the KV-cache events' evictions for at most
@@ -231,14 +226,7 @@ class Router:
         # finished requests (NaN: no such reading), which arrivals and admissions grow from.
         self._running_read = np.zeros(0)
         self._waiting_read = np.zeros(0)
-        self._share_windows = np.array(TRAFFIC_SHARE_WINDOWS)
-        self._share_needs = np.where(
-            self._share_windows < TRAFFIC_SHARE_SECONDS,
-            TRAFFIC_SHARE_SHORT_REQUESTS,
-            TRAFFIC_SHARE_MIN_REQUESTS,
-        )
-        self._share_sent = np.zeros(len(TRAFFIC_SHARE_WINDOWS))
-        self._share_arrived = np.zeros(len(TRAFFIC_SHARE_WINDOWS))
+        self._share_sent = self._share_arrived = 0.0
         self._share_decayed_at = -math.inf
         self._traffic_share = 1.0
         self._share_measured = False
@@ -566,41 +554,30 @@ class Router:
 
     def _learn_traffic_share(self, i: int, arrived: float) -> None:
         """This router's share of the requests the endpoints serve: what it sent them against
-        what reached them (``_arrivals``), in sums decaying with time (TRAFFIC_SHARE_WINDOWS):
+        what reached them (``_arrivals``), in sums decaying with time (TRAFFIC_SHARE_SECONDS):
         sums that decayed at every endpoint's reading held 32 / N seconds of arrivals at N
         endpoints read twice a second, under 16 below N / 2 requests a second, so a router
-        of several at low traffic never knew it was one. One 32-s window was measured from
-        0.5 requests a second, but a router joining or leaving took ~70 s to show at any
-        traffic (share 1 -> 0.5 past 0.55: 2.3 time constants), and a quieter fleet was never
-        measured. So the sums are kept over several windows and the share read from the
-        shortest that holds enough: the 32-s one and longer from 16 arrivals (as before;
-        the longer ones where 32 s holds fewer: measured down to about 1 request in 16 s
-        in all, after ~15 minutes there), the shorter ones only from 64 (read from 16, a
-        half's standard deviation is 0.125, from 64 0.06: a short window would flap).
-        A router joining a fleet at 4, 10 and 20 requests a second shows in ~37, ~18 and
-        ~9 s; at 3 or fewer, as before (prefix-router bench share). Under half, other
-        router replicas (or clients) place the rest without this router's index, and a
-        cold start that stays on the rendezvous pick is what lets their placements meet:
-        the cold-start margin moves from cold_margin (alone) to shared_cold_margin (half
-        or less), linearly, and the stickiness premium's floor from 0 to the full premium
-        (this router's index then sees only part of what fills the caches;
-        CostModel.premium). In the simulator, K=4 router replicas stayed within 0.02 of one
-        router's hit ratio in 12 of 18 cells with margin 1 against 6 with 0.5, while one
-        router's tails are shorter with a small margin (0.5 then, cold_margin 0.1 since;
-        docs/benchmarks.md)."""
+        of several at low traffic never knew it was one. The price: a router joining or
+        leaving takes tens of seconds to show (share 1 -> 0.5 passes 0.9 in ~7 s, 0.55 in
+        ~74 s). Under half, other router replicas (or clients)
+        place the rest without this router's index, and a cold start that stays on the
+        rendezvous pick is what lets their placements meet: the cold-start margin moves
+        from cold_margin (alone) to shared_cold_margin (half or less), linearly, and the
+        stickiness premium's floor from 0 to the full premium (this router's index then
+        sees only part of what fills the caches; CostModel.premium). In the
+        simulator, K=4 router replicas stayed within 0.02 of one router's hit ratio in 12 of
+        18 cells with margin 1 against 6 with 0.5, while one router's tails are shorter
+        with a small margin (0.5 then, cold_margin 0.1 since; docs/benchmarks.md)."""
         sent, self._sent[i] = float(self._sent[i]), 0
         now = self.clock()
-        keep = np.exp(-max(0.0, now - self._share_decayed_at) / self._share_windows)
+        keep = math.exp(-max(0.0, now - self._share_decayed_at) / TRAFFIC_SHARE_SECONDS)
         self._share_decayed_at = max(self._share_decayed_at, now)
         self._share_sent = keep * self._share_sent + sent
         self._share_arrived = keep * self._share_arrived + arrived
-        enough = np.flatnonzero(self._share_arrived >= self._share_needs)
-        if not enough.size:
+        if self._share_arrived < TRAFFIC_SHARE_MIN_REQUESTS:
             return
-        window = int(enough[0])
         # Requests still on their way (or an endpoint without queue gauges): at most 1.
-        share = self._share_sent[window] / self._share_arrived[window]
-        self._traffic_share = min(1.0, float(share))
+        self._traffic_share = min(1.0, self._share_sent / self._share_arrived)
         self._share_measured = True
         shared = min(1.0, 2.0 * (1.0 - self._traffic_share))
         alone = self._alone_cold_margin
@@ -689,7 +666,7 @@ class Router:
 
     @property
     def traffic_share_measured(self) -> bool:
-        """Whether ``traffic_share`` is a measurement yet (enough arrivals in a window)."""
+        """Whether ``traffic_share`` is a measurement yet (enough arrivals in its sums)."""
         return self._share_measured
 
     @property
