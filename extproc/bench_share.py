@@ -14,10 +14,13 @@ Prints the tables; --json writes them.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import math
+import random
+import statistics
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -42,31 +45,32 @@ class HandClock:
         return self.now
 
 
-def share_over_time(
+def replay(
+    arrivals: Iterable[tuple[float, bool]],
     endpoints: int,
     scrape_seconds: float,
-    every: Callable[[float], int],
-    request_seconds: float = 1.0,
-    seconds: float = 40.0,
+    seconds: float,
 ) -> Iterator[tuple[float, Router]]:
-    """A router sent every ``every(t)``-th of the requests that reach ``endpoints``
-    endpoints, one each ``request_seconds`` (others' requests arrive too), each endpoint
-    read every ``scrape_seconds`` for ``seconds`` and reporting finishing at once what
-    reached it; yields (time, the router) after each round of readings."""
+    """Requests reach ``endpoints`` endpoints in turn at the times given, those marked True
+    sent by this router (the others by other routers or clients); each endpoint is read
+    every ``scrape_seconds`` for ``seconds`` and reports finishing at once what reached it.
+    Yields (time, the router) after each round of readings."""
     clock = HandClock()
     addresses = [EndpointConfig(address=f"10.1.0.{i}:8000") for i in range(endpoints)]
     router = Router(RoutingConfig(), addresses, clock=clock)
     arrived = [0.0] * endpoints
     counters = [(0.0, 0.0, 0.0)] * endpoints
-    next_request, n = 0.0, 0
+    pending = iter(arrivals)
+    upcoming = next(pending, None)
+    n = 0
     while clock.now < seconds:
-        while next_request <= clock.now:
+        while upcoming is not None and upcoming[0] <= clock.now:
             i = n % endpoints
-            if n % every(next_request) == 0:
+            if upcoming[1]:
                 only = frozenset({addresses[i].address})
                 router.finish(router.route(_request(f"quiet {n} " * 30), allowed=only))
             arrived[i] += 1.0
-            next_request, n = next_request + request_seconds, n + 1
+            upcoming, n = next(pending, None), n + 1
         for i, e in enumerate(addresses):
             done = (1000.0 * arrived[i], arrived[i], 0.1 * arrived[i])
             window = tuple(b - a for a, b in zip(counters[i], done, strict=True))
@@ -81,6 +85,97 @@ def share_over_time(
             )
         yield clock.now, router
         clock.now += scrape_seconds
+
+
+def share_over_time(
+    endpoints: int,
+    scrape_seconds: float,
+    every: Callable[[float], int],
+    request_seconds: float = 1.0,
+    seconds: float = 40.0,
+) -> Iterator[tuple[float, Router]]:
+    """``replay`` of one request each ``request_seconds``, this router sending every
+    ``every(t)``-th."""
+
+    def arrivals() -> Iterator[tuple[float, bool]]:
+        n = 0
+        while True:
+            t = n * request_seconds
+            yield t, n % every(t) == 0
+            n += 1
+
+    return replay(arrivals(), endpoints, scrape_seconds, seconds)
+
+
+def _steady(start: float, end: float, rate: float, ours: Callable[[int], bool]):
+    n = 0
+    while start + n / rate < end:
+        yield start + n / rate, ours(n)
+        n += 1
+
+
+def after_a_lull(rate: float = 20.0, scrape_seconds: float = 0.5) -> dict[str, float]:
+    """This router alone for 600 s, a second router taking every other request for 40 s,
+    then silence for 900 s, then both again: the share when the traffic stopped, through
+    the silence, and 1 and 5 s after it resumed (a router back at "alone", >= 0.9, after
+    a lull would route the first requests as if alone)."""
+    arrivals = [
+        *_steady(0.0, 600.0, rate, lambda n: True),
+        *_steady(600.0, 640.0, rate, lambda n: n % 2 == 0),
+        *_steady(1540.0, 1600.0, rate, lambda n: n % 2 == 0),
+    ]
+    marks = {"at_stop": 640.0, "silent_60s": 700.0, "silent_300s": 940.0}
+    marks |= {"silent_900s": 1539.5, "resumed_1s": 1541.0, "resumed_5s": 1545.0}
+    read = {}
+    for now, router in replay(arrivals, 8, scrape_seconds, 1546.0):
+        for name, at in marks.items():
+            if name not in read and now >= at:
+                read[name] = router.traffic_share
+    return read
+
+
+def through_a_burst(
+    rate: float = 2.0, burst: int = 80, scrape_seconds: float = 0.5
+) -> dict[str, float]:
+    """Two routers alternating at ``rate`` for 120 s, then ``burst`` requests in one second
+    through this one (a client's batch), then alternating again: the share before it and
+    the highest it reads in the 5 s after it (at 0.9 or more it takes itself for alone)."""
+    arrivals = [
+        *_steady(0.0, 120.0, rate, lambda n: n % 2 == 0),
+        *_steady(120.0, 121.0, float(burst), lambda n: True),
+        *_steady(121.0, 130.0, rate, lambda n: n % 2 == 0),
+    ]
+    before, highest = 0.0, 0.0
+    for now, router in replay(arrivals, 8, scrape_seconds, 126.0):
+        if now < 120.0:
+            before = router.traffic_share
+        else:
+            highest = max(highest, router.traffic_share)
+    return {"before": before, "highest_after": highest}
+
+
+def random_split(
+    share: float, rate: float = 10.0, scrape_seconds: float = 0.5, seed: int = 1
+) -> dict[str, float]:
+    """Each request this router's with probability ``share`` (clients spread at random),
+    at ``rate`` for 600 s: the spread of its readings after the first 60 s, and how often
+    they cross ``balance_min_share`` a minute."""
+    rng = random.Random(seed)
+    arrivals = list(_steady(0.0, 600.0, rate, lambda n: rng.random() < share))
+    threshold = RoutingConfig().balance_min_share
+    readings: list[float] = []
+    for now, router in replay(arrivals, 8, scrape_seconds, 600.0):
+        if now >= 60.0:
+            readings.append(router.traffic_share)
+    above = [r >= threshold for r in readings]
+    crossings = sum(a != b for a, b in itertools.pairwise(above))
+    return {
+        "true_share": share,
+        "lowest": min(readings),
+        "highest": max(readings),
+        "standard_deviation": statistics.pstdev(readings),
+        "crossings_per_minute": crossings / ((len(readings) * scrape_seconds) / 60.0),
+    }
 
 
 def _request(text: str) -> Any:
@@ -169,8 +264,39 @@ def run(args: argparse.Namespace) -> int:
         first = row["first_measured_s"]
         when = "never" if first is None else f"{first:.0f}"
         print(f"| {row['seconds_between_requests']:g} | {when} | {row['share']:.3f} |")
+    lull = after_a_lull(scrape_seconds=args.scrape_seconds)
+    print(
+        "\nAfter a lull (alone 600 s at 20 requests a second, shared 40 s, silent 900 s, "
+        "shared again): the share read"
+    )
+    print("| " + " | ".join(lull) + " |\n|" + "---:|" * len(lull))
+    print("| " + " | ".join(f"{v:.3f}" for v in lull.values()) + " |")
+    burst = through_a_burst(scrape_seconds=args.scrape_seconds)
+    print(
+        f"\nA burst (two routers at 2 requests a second, then 80 in one second through this "
+        f"one): share before {burst['before']:.3f}, highest in the 5 s after "
+        f"{burst['highest_after']:.3f}"
+    )
+    spread = [random_split(share, scrape_seconds=args.scrape_seconds) for share in (0.5, 0.85)]
+    print(
+        "\nRequests split at random, 10 a second for 600 s (readings after the first 60 s; "
+        "crossings of balance_min_share a minute)"
+    )
+    print("| true share | lowest | highest | SD | crossings a minute |\n|---:|---:|---:|---:|---:|")
+    for row in spread:
+        print(
+            f"| {row['true_share']:g} | {row['lowest']:.3f} | {row['highest']:.3f} | "
+            f"{row['standard_deviation']:.3f} | {row['crossings_per_minute']:.1f} |"
+        )
     if args.json_out:
         command = "prefix-router bench share " + " ".join(sys.argv[3:])
-        document = {"command": command, "joining": joining, "quiet": quiet}
+        document = {
+            "command": command,
+            "joining": joining,
+            "quiet": quiet,
+            "after_a_lull": lull,
+            "through_a_burst": burst,
+            "random_split": spread,
+        }
         Path(args.json_out).write_text(json.dumps(document, indent=2) + "\n")
     return 0

@@ -28,6 +28,13 @@ def test_bench_share_tells_how_soon_a_router_joining_shows(tmp_path):
     assert quiet["below_0_9_s"] is None and quiet["below_0_55_s"] is None  # never measured
     measured = [row["first_measured_s"] for row in doc["quiet"]]
     assert measured[0] is not None and measured[1] is None  # 16 in 32 s, not 8
+    # Through a silence the share keeps its last reading; fresh arrivals replace it.
+    lull = doc["after_a_lull"]
+    assert lull["silent_900s"] == pytest.approx(lull["at_stop"]) and lull["at_stop"] < 0.7
+    assert lull["resumed_5s"] < 0.55
+    assert doc["through_a_burst"]["highest_after"] < 0.9  # a batch does not read as alone
+    half, most = doc["random_split"]
+    assert half["lowest"] > 0.35 and half["highest"] < 0.65 and most["highest"] < 0.9
     assert doc["command"].startswith("prefix-router bench share")
 
 
