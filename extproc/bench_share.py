@@ -7,7 +7,9 @@ with endpoints that report at once what reached them, read every ``--scrape-seco
 server reads them: a second router joins at a steady rate (taking every other request), and
 the table says how many seconds pass before this router's share reads under 0.9 (where a
 router alone stops balancing its cold starts) and under 0.55 (near a half); then, at rates too
-low for that, whether a router sent a quarter of the requests measures its share at all.
+low for that, whether a router sent a quarter of the requests measures its share at all;
+then what it reads through a lull, after a burst through it, and with requests split at
+random (the cases a simulator whose routers start together at a steady rate cannot show).
 Prints the tables; --json writes them.
 """
 
@@ -107,7 +109,10 @@ def share_over_time(
     return replay(arrivals(), endpoints, scrape_seconds, seconds)
 
 
-def _steady(start: float, end: float, rate: float, ours: Callable[[int], bool]):
+def _steady(
+    start: float, end: float, rate: float, ours: Callable[[int], bool]
+) -> Iterator[tuple[float, bool]]:
+    """Arrivals at ``rate`` from ``start`` to ``end``, the n-th this router's if ``ours(n)``."""
     n = 0
     while start + n / rate < end:
         yield start + n / rate, ours(n)
