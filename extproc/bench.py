@@ -32,7 +32,10 @@ OTHER_BENCHMARKS = {
     "latency": ("extproc.latency", "what the router adds to one request through Envoy"),
     "core": ("extproc.bench_core", "the routing core alone, per body size and endpoints"),
     "events": ("extproc.bench_events", "translating vLLM's KV-cache events, per prompt size"),
-    "share": ("extproc.bench_share", "how soon a router's traffic share shows a router joining"),
+    "share": (
+        "extproc.bench_share",
+        "a router's traffic share: a router joining, low traffic, a lull, a burst, noise",
+    ),
     "overhead": ("extproc.bench_overhead", "throughput and latency through Envoy, with wrk"),
     "live": (
         "extproc.bench_live",

@@ -6,8 +6,8 @@ state agree on where new conversations go. This drives the router itself, its cl
 with endpoints that report at once what reached them, read every ``--scrape-seconds`` as the
 server reads them: a second router joins at a steady rate (taking every other request), and
 the table says how many seconds pass before this router's share reads under 0.9 (where a
-router alone stops balancing its cold starts) and under 0.55 (near a half); then, at rates too
-low for that, whether a router sent a quarter of the requests measures its share at all;
+router alone stops balancing its cold starts) and under 0.55 (near a half); then, at low
+traffic, whether and when a router sent a quarter of the requests measures its share;
 then what it reads through a lull, after a burst through it, and with requests split at
 random (the cases a simulator whose routers start together at a steady rate cannot show).
 Prints the tables; --json writes them.
@@ -33,6 +33,9 @@ from .prompt import parse_request
 from .router import Router
 
 SYSTEM = "You are a meticulous assistant that answers with care. " * 20
+# Arrivals come this long after their nominal times, so that none falls exactly on a round
+# of readings (every 0.5 s): which round counted it would hang on rounding.
+ARRIVAL_PHASE_SECONDS = 0.001
 # How long the low-traffic table's routers run.
 QUIET_SECONDS = 1800.0
 
@@ -102,7 +105,7 @@ def share_over_time(
     def arrivals() -> Iterator[tuple[float, bool]]:
         n = 0
         while True:
-            t = n * request_seconds
+            t = n * request_seconds + ARRIVAL_PHASE_SECONDS
             yield t, n % every(t) == 0
             n += 1
 
@@ -115,11 +118,13 @@ def _steady(
     """Arrivals at ``rate`` from ``start`` to ``end``, the n-th this router's if ``ours(n)``."""
     n = 0
     while start + n / rate < end:
-        yield start + n / rate, ours(n)
+        yield start + n / rate + ARRIVAL_PHASE_SECONDS, ours(n)
         n += 1
 
 
-def after_a_lull(rate: float = 20.0, scrape_seconds: float = 0.5) -> dict[str, float]:
+def after_a_lull(
+    rate: float = 20.0, endpoints: int = 8, scrape_seconds: float = 0.5
+) -> dict[str, float]:
     """This router alone for 600 s, a second router taking every other request for 40 s,
     then silence for 900 s, then both again: the share when the traffic stopped, through
     the silence, and 1 and 5 s after it resumed (a router back at "alone", >= 0.9, after
@@ -132,7 +137,7 @@ def after_a_lull(rate: float = 20.0, scrape_seconds: float = 0.5) -> dict[str, f
     marks = {"at_stop": 640.0, "silent_60s": 700.0, "silent_300s": 940.0}
     marks |= {"silent_900s": 1539.5, "resumed_1s": 1541.0, "resumed_5s": 1545.0}
     read = {}
-    for now, router in replay(arrivals, 8, scrape_seconds, 1546.0):
+    for now, router in replay(arrivals, endpoints, scrape_seconds, 1546.0):
         for name, at in marks.items():
             if name not in read and now >= at:
                 read[name] = router.traffic_share
@@ -140,18 +145,19 @@ def after_a_lull(rate: float = 20.0, scrape_seconds: float = 0.5) -> dict[str, f
 
 
 def through_a_burst(
-    rate: float = 2.0, burst: int = 80, scrape_seconds: float = 0.5
+    rate: float = 2.0, burst: int = 80, endpoints: int = 8, scrape_seconds: float = 0.5
 ) -> dict[str, float]:
     """Two routers alternating at ``rate`` for 120 s, then ``burst`` requests in one second
     through this one (a client's batch), then alternating again: the share before it and
-    the highest it reads in the 5 s after it (at 0.9 or more it takes itself for alone)."""
+    the highest it reads from the burst's start until 5 s after it (at 0.9 or more it
+    takes itself for alone)."""
     arrivals = [
         *_steady(0.0, 120.0, rate, lambda n: n % 2 == 0),
         *_steady(120.0, 121.0, float(burst), lambda n: True),
         *_steady(121.0, 130.0, rate, lambda n: n % 2 == 0),
     ]
     before, highest = 0.0, 0.0
-    for now, router in replay(arrivals, 8, scrape_seconds, 126.0):
+    for now, router in replay(arrivals, endpoints, scrape_seconds, 126.0):
         if now < 120.0:
             before = router.traffic_share
         else:
@@ -160,7 +166,11 @@ def through_a_burst(
 
 
 def random_split(
-    share: float, rate: float = 10.0, scrape_seconds: float = 0.5, seed: int = 1
+    share: float,
+    rate: float = 10.0,
+    endpoints: int = 8,
+    scrape_seconds: float = 0.5,
+    seed: int = 1,
 ) -> dict[str, float]:
     """Each request this router's with probability ``share`` (clients spread at random),
     at ``rate`` for 600 s: the spread of its readings after the first 60 s, and how often
@@ -169,7 +179,7 @@ def random_split(
     arrivals = list(_steady(0.0, 600.0, rate, lambda n: rng.random() < share))
     threshold = RoutingConfig().balance_min_share
     readings: list[float] = []
-    for now, router in replay(arrivals, 8, scrape_seconds, 600.0):
+    for now, router in replay(arrivals, endpoints, scrape_seconds, 600.0):
         if now >= 60.0:
             readings.append(router.traffic_share)
     above = [r >= threshold for r in readings]
@@ -189,13 +199,17 @@ def _request(text: str) -> Any:
 
 
 def seconds_until_share_below(
-    rate: float, below: float, endpoints: int = 8, scrape_seconds: float = 0.5
-) -> float:
+    rate: float,
+    thresholds: tuple[float, ...] = (0.9, 0.55),
+    endpoints: int = 8,
+    scrape_seconds: float = 0.5,
+) -> dict[float, float]:
     """Seconds after a second router joined (taking every other request, after this one
-    had them all for 60 s plus 300 requests' time) until this one's share reads under
-    ``below``; inf if not within 1,200 requests' time and 600 s."""
+    had them all for 60 s plus 300 requests' time) until this one's share reads under each
+    threshold; inf where not within 1,200 requests' time and 600 s."""
     request_seconds = 1.0 / rate
     joined_at = 300 * request_seconds + 60.0
+    took = dict.fromkeys(thresholds, math.inf)
     for now, router in share_over_time(
         endpoints,
         scrape_seconds,
@@ -203,9 +217,13 @@ def seconds_until_share_below(
         request_seconds,
         joined_at + 1200 * request_seconds + 600.0,
     ):
-        if now > joined_at and router.traffic_share < below:
-            return now - joined_at
-    return math.inf
+        if now > joined_at:
+            for below in thresholds:
+                if math.isinf(took[below]) and router.traffic_share < below:
+                    took[below] = now - joined_at
+            if router.traffic_share < min(thresholds):
+                break
+    return took
 
 
 def _quiet(gap: float, scrape_seconds: float) -> dict[str, Any]:
@@ -243,10 +261,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     joining = []
     for rate in (float(r) for r in args.rates.split(",")):
-        row = {"requests_per_second": rate}
+        took = seconds_until_share_below(rate, (0.9, 0.55), args.endpoints, args.scrape_seconds)
+        row: dict[str, float | None] = {"requests_per_second": rate}
         for label, below in (("below_0_9_s", 0.9), ("below_0_55_s", 0.55)):
-            took = seconds_until_share_below(rate, below, args.endpoints, args.scrape_seconds)
-            row[label] = None if math.isinf(took) else took  # None: never
+            row[label] = None if math.isinf(took[below]) else took[below]  # None: never
         joining.append(row)
     print(
         f"A second router joins (every other request from then on): seconds until this "
@@ -269,20 +287,24 @@ def run(args: argparse.Namespace) -> int:
         first = row["first_measured_s"]
         when = "never" if first is None else f"{first:.0f}"
         print(f"| {row['seconds_between_requests']:g} | {when} | {row['share']:.3f} |")
-    lull = after_a_lull(scrape_seconds=args.scrape_seconds)
+    lull = after_a_lull(endpoints=args.endpoints, scrape_seconds=args.scrape_seconds)
     print(
         "\nAfter a lull (alone 600 s at 20 requests a second, shared 40 s, silent 900 s, "
         "shared again): the share read"
     )
     print("| " + " | ".join(lull) + " |\n|" + "---:|" * len(lull))
     print("| " + " | ".join(f"{v:.3f}" for v in lull.values()) + " |")
-    burst = through_a_burst(scrape_seconds=args.scrape_seconds)
+    rate, size = 2.0, 80
+    burst = through_a_burst(rate, size, args.endpoints, args.scrape_seconds)
     print(
-        f"\nA burst (two routers at 2 requests a second, then 80 in one second through this "
-        f"one): share before {burst['before']:.3f}, highest in the 5 s after "
-        f"{burst['highest_after']:.3f}"
+        f"\nA burst (two routers at {rate:g} requests a second, then {size} in one second "
+        f"through this one): share before {burst['before']:.3f}, highest from its start "
+        f"until 5 s after {burst['highest_after']:.3f}"
     )
-    spread = [random_split(share, scrape_seconds=args.scrape_seconds) for share in (0.5, 0.85)]
+    spread = [
+        random_split(share, endpoints=args.endpoints, scrape_seconds=args.scrape_seconds)
+        for share in (0.5, 0.85)
+    ]
     print(
         "\nRequests split at random, 10 a second for 600 s (readings after the first 60 s; "
         "crossings of balance_min_share a minute)"

@@ -1334,7 +1334,7 @@ def test_a_router_measures_its_share_at_low_traffic_however_many_endpoints_it_re
             for every in (1, 4):
                 router = _share_at_low_traffic(endpoints, scrape_seconds, every)
                 case = (endpoints, scrape_seconds, every)
-                assert router._share_measured, case
+                assert router.traffic_share_measured, case
                 assert router.traffic_share == pytest.approx(1.0 / every, abs=0.05), case
                 expected = ALONE if every == 1 else SHARED
                 assert router.cold_margin == pytest.approx(expected, abs=0.05), case
