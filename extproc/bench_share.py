@@ -95,21 +95,14 @@ def replay(
 def share_over_time(
     endpoints: int,
     scrape_seconds: float,
-    every: Callable[[float], int],
+    every: Callable[[int], int],
     request_seconds: float = 1.0,
     seconds: float = 40.0,
 ) -> Iterator[tuple[float, Router]]:
-    """``replay`` of one request each ``request_seconds``, this router sending every
-    ``every(t)``-th."""
-
-    def arrivals() -> Iterator[tuple[float, bool]]:
-        n = 0
-        while True:
-            t = n * request_seconds + ARRIVAL_PHASE_SECONDS
-            yield t, n % every(t) == 0
-            n += 1
-
-    return replay(arrivals(), endpoints, scrape_seconds, seconds)
+    """``replay`` of one request each ``request_seconds``, this router sending the n-th
+    when n is a multiple of ``every(n)``."""
+    arrivals = _steady(0.0, seconds, 1.0 / request_seconds, lambda n: n % every(n) == 0)
+    return replay(arrivals, endpoints, scrape_seconds, seconds)
 
 
 def _steady(
@@ -209,11 +202,12 @@ def seconds_until_share_below(
     threshold; inf where not within 1,200 requests' time and 600 s."""
     request_seconds = 1.0 / rate
     joined_at = 300 * request_seconds + 60.0
+    joined_request = 300 + 60.0 * rate
     took = dict.fromkeys(thresholds, math.inf)
     for now, router in share_over_time(
         endpoints,
         scrape_seconds,
-        lambda t: 1 if t < joined_at else 2,
+        lambda n: 1 if n < joined_request else 2,
         request_seconds,
         joined_at + 1200 * request_seconds + 600.0,
     ):

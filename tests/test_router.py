@@ -7,6 +7,7 @@ import numpy as np
 import orjson
 import pytest
 
+from extproc.bench_share import HandClock as Clock
 from extproc.bench_share import share_over_time
 from extproc.config import EndpointConfig, RoutingConfig
 from extproc.placements import Placement, PlacementLog
@@ -347,16 +348,6 @@ def test_an_endpoint_added_again_is_not_the_one_its_old_requests_were_charged_to
     for decision in new:
         router.finish(decision)
     assert router.in_flight()[address] == 0
-
-
-class Clock:
-    """A hand-driven clock for the router's queued-work drain."""
-
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def completion(text: str):
