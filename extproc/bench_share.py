@@ -6,7 +6,8 @@ state agree on where new conversations go. This drives the router itself, its cl
 with endpoints that report at once what reached them, read every ``--scrape-seconds`` as the
 server reads them: a second router joins at a steady rate (taking every other request), and
 the table says how many seconds pass before this router's share reads under 0.9 (where a
-router alone stops balancing its cold starts) and under 0.55 (near a half); then, at low
+router alone stops balancing its cold starts) and under 0.55 (near a half), and after the
+second router leaves again, before it reads over 0.55 and 0.9; then, at low
 traffic, whether and when a router sent a quarter of the requests measures its share;
 then what it reads through a lull, after a burst through it, and with requests split at
 random (the cases a simulator whose routers start together at a steady rate cannot show).
@@ -191,31 +192,37 @@ def _request(text: str) -> Any:
     return parse_request("chat", orjson.dumps({"model": "m", "messages": messages}))
 
 
-def seconds_until_share_below(
+def seconds_until_share_crosses(
     rate: float,
     thresholds: tuple[float, ...] = (0.9, 0.55),
     endpoints: int = 8,
     scrape_seconds: float = 0.5,
+    leaving: bool = False,
 ) -> dict[float, float]:
     """Seconds after a second router joined (taking every other request, after this one
     had them all for 60 s plus 300 requests' time) until this one's share reads under each
-    threshold; inf where not within 1,200 requests' time and 600 s."""
+    threshold; or, ``leaving``, after the second router left (this one had every other
+    request as long) until it reads at or over each; inf where not within 1,200 requests'
+    time and 600 s."""
     request_seconds = 1.0 / rate
-    joined_at = 300 * request_seconds + 60.0
-    joined_request = 300 + 60.0 * rate
+    changed_at = 300 * request_seconds + 60.0
+    changed_request = 300 + 60.0 * rate
+    before, after = (2, 1) if leaving else (1, 2)
     took = dict.fromkeys(thresholds, math.inf)
     for now, router in share_over_time(
         endpoints,
         scrape_seconds,
-        lambda n: 1 if n < joined_request else 2,
+        lambda n: before if n < changed_request else after,
         request_seconds,
-        joined_at + 1200 * request_seconds + 600.0,
+        changed_at + 1200 * request_seconds + 600.0,
     ):
-        if now > joined_at:
-            for below in thresholds:
-                if math.isinf(took[below]) and router.traffic_share < below:
-                    took[below] = now - joined_at
-            if router.traffic_share < min(thresholds):
+        if now > changed_at and router.traffic_share_measured:
+            share = router.traffic_share
+            for threshold in thresholds:
+                crossed = share >= threshold if leaving else share < threshold
+                if math.isinf(took[threshold]) and crossed:
+                    took[threshold] = now - changed_at
+            if not any(math.isinf(t) for t in took.values()):
                 break
     return took
 
@@ -253,24 +260,38 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    joining = []
+    joining, leaving = [], []
     for rate in (float(r) for r in args.rates.split(",")):
-        took = seconds_until_share_below(rate, (0.9, 0.55), args.endpoints, args.scrape_seconds)
-        row: dict[str, float | None] = {"requests_per_second": rate}
-        for label, below in (("below_0_9_s", 0.9), ("below_0_55_s", 0.55)):
-            row[label] = None if math.isinf(took[below]) else took[below]  # None: never
-        joining.append(row)
+        for rows, left in ((joining, False), (leaving, True)):
+            took = seconds_until_share_crosses(
+                rate, (0.9, 0.55), args.endpoints, args.scrape_seconds, leaving=left
+            )
+            row: dict[str, float | None] = {"requests_per_second": rate}
+            for below in (0.9, 0.55):
+                label = f"{'over' if left else 'below'}_{str(below).replace('.', '_')}_s"
+                row[label] = None if math.isinf(took[below]) else took[below]  # None: never
+            rows.append(row)
     print(
-        f"A second router joins (every other request from then on): seconds until this "
-        f"router's share reads under 0.9 / 0.55 ({args.endpoints} endpoints read every "
-        f"{args.scrape_seconds} s)"
+        f"A second router joins (every other request from then on), or leaves (this router "
+        f"had every other request): seconds until this router's share reads under / over "
+        f"0.9 and 0.55 ({args.endpoints} endpoints read every {args.scrape_seconds} s; "
+        f"never: not within 600 s, or the share not measured)"
     )
-    print("| requests a second | under 0.9 s | under 0.55 s |\n|---:|---:|---:|")
-    for row in joining:
+    print(
+        "| requests a second | joins: under 0.9 s | under 0.55 s | leaves: over 0.55 s "
+        "| over 0.9 s |\n|---:|---:|---:|---:|---:|"
+    )
+    for joined, left in zip(joining, leaving, strict=True):
         cells = [
-            "never" if row[k] is None else f"{row[k]:.1f}" for k in ("below_0_9_s", "below_0_55_s")
+            "never" if row[k] is None else f"{row[k]:.1f}"
+            for row, k in (
+                (joined, "below_0_9_s"),
+                (joined, "below_0_55_s"),
+                (left, "over_0_55_s"),
+                (left, "over_0_9_s"),
+            )
         ]
-        print(f"| {row['requests_per_second']:g} | {cells[0]} | {cells[1]} |")
+        print(f"| {joined['requests_per_second']:g} | " + " | ".join(cells) + " |")
     quiet = [_quiet(float(gap), args.scrape_seconds) for gap in args.quiet_gaps.split(",")]
     print(
         f"\nLow traffic: a router sent a quarter of the requests over 16 endpoints for "
@@ -314,6 +335,7 @@ def run(args: argparse.Namespace) -> int:
         document = {
             "command": command,
             "joining": joining,
+            "leaving": leaving,
             "quiet": quiet,
             "after_a_lull": lull,
             "through_a_burst": burst,

@@ -17,7 +17,7 @@ from extproc.cli import main
 METRICS_PAGE = Path(__file__).parent / "data" / "vllm-0.32.0-metrics.txt"
 
 
-def test_bench_share_tells_how_soon_a_router_joining_shows(tmp_path):
+def test_bench_share_tells_how_soon_a_router_joining_or_leaving_shows(tmp_path):
     out = tmp_path / "share.json"
     args = ["bench", "share", "--rates", "10,0.25", "--quiet-gaps", "2,4", "--json", str(out)]
     assert main(args) == 0
@@ -27,6 +27,11 @@ def test_bench_share_tells_how_soon_a_router_joining_shows(tmp_path):
     # a second up.
     assert busy["below_0_9_s"] < 15.0 and 50.0 < busy["below_0_55_s"] < 90.0
     assert quiet["below_0_9_s"] is None and quiet["below_0_55_s"] is None  # never measured
+    # A router left alone reads past 0.55 within seconds and as alone (0.9) after about 1.6
+    # time constants; one that never measured its share reports no crossing.
+    busy, quiet = doc["leaving"]
+    assert busy["over_0_55_s"] < 10.0 and 35.0 < busy["over_0_9_s"] < 70.0
+    assert quiet["over_0_9_s"] is None and quiet["over_0_55_s"] is None
     measured = [row["first_measured_s"] for row in doc["quiet"]]
     assert measured[0] is not None and measured[1] is None  # 16 in 32 s, not 8
     # Through a silence the share keeps its last reading; fresh arrivals replace it.
@@ -39,6 +44,7 @@ def test_bench_share_tells_how_soon_a_router_joining_shows(tmp_path):
     assert set(doc) == {
         "command",
         "joining",
+        "leaving",
         "quiet",
         "after_a_lull",
         "through_a_burst",
