@@ -32,7 +32,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
@@ -512,10 +512,12 @@ def start_vllm(
     max_num_seqs: int = 16,
     kv_events_dir: Path | None = None,
     api_servers: int = 1,
+    extra_env: Mapping[str, str] | None = None,
 ) -> Server:
     """Start one vLLM OpenAI server on 127.0.0.1 (returns at once; see wait_healthy).
     ``kv_events_dir``: it publishes its KV-cache events there (kv_events_args);
-    ``api_servers``: its API server processes (vllm_command)."""
+    ``api_servers``: its API server processes (vllm_command); ``extra_env``: added to its
+    environment (e.g. VLLM_ALLOW_RUNTIME_LORA_UPDATING)."""
     port = port or free_port()
     log_path = log_dir / f"{name}.log"
     if kv_events_dir is not None:
@@ -530,7 +532,7 @@ def start_vllm(
         access_log=access_log,
         api_servers=api_servers,
     )
-    env = vllm_env(core, kv_space_gb)
+    env = {**vllm_env(core, kv_space_gb), **(extra_env or {})}
     if api_servers > 1:
         # (``vllm serve`` finds no CPU build by the package metadata either.)
         env["VLLM_TARGET_DEVICE"] = "cpu"

@@ -12,6 +12,7 @@ import contextlib
 import datetime
 import json
 import time
+import urllib.error
 import urllib.request
 import zoneinfo
 from collections.abc import Iterator
@@ -30,6 +31,9 @@ from extproc.config import RoutingConfig
 from extproc.hashing import block_hashes, root_hash
 from extproc.prompt import parse_request
 from extproc.stack import LOOPBACK, Stack
+
+from ..router_gauges import models_known
+from ..waiting import wait_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.timeout(900)]
 
@@ -132,11 +136,15 @@ def _listening(
 
 @contextlib.contextmanager
 def _another_server(
-    name: str, directory: Path, tokenizer_dir: Path, extra_args: list[str]
+    name: str,
+    directory: Path,
+    tokenizer_dir: Path,
+    extra_args: list[str],
+    extra_env: dict[str, str] | None = None,
 ) -> Iterator[EventsServer]:
     """A second vLLM server for the tiny model on the other core, started with
-    ``extra_args``, publishing its events in ``directory``; ``tokenizer_dir`` holds the
-    tokeniser files it serves with. Stopped on exit."""
+    ``extra_args`` (and ``extra_env``), publishing its events in ``directory``;
+    ``tokenizer_dir`` holds the tokeniser files it serves with. Stopped on exit."""
     python = lab.ensure_vllm_env()
     server = lab.start_vllm(
         python,
@@ -146,6 +154,7 @@ def _another_server(
         directory,
         extra_args=extra_args,
         kv_events_dir=directory,
+        extra_env=extra_env,
     )
     try:
         lab.wait_healthy([server])
@@ -577,6 +586,100 @@ def test_a_lora_adapters_events_translate_to_its_own_router_hashes(
     assert not set(adapted) & set(base)
     assert decision["matched_blocks"] > first_turn, (decision, counts)
     assert as_base["matched_blocks"] == 0, (as_base, counts)
+
+
+def test_an_adapter_vllm_loads_at_run_time_is_routed_to_its_server(
+    vllm_with_events: EventsServer, tmp_path: Path
+) -> None:
+    """Real vLLM's ``/v1/load_lora_adapter`` on one of two servers behind Envoy and one
+    router whose rounds of the model lists are 60 s apart: the adapter's first request
+    names a model no list read names, so the router reads every list again at once, and
+    the adapter's requests reach the server that loaded it from then on (those sent before
+    that read, while both lists still named one model, go by their prefix to either
+    server: the other answers 404); the base model's still route. Unloaded, the adapter's requests get vLLM's 404, a clear answer,
+    from the server that listed it. (The stand-in replica's API is tested the same way in
+    tests/integration/test_model_pools.py; this is vLLM's own.)"""
+    base = vllm_with_events.address
+    adapter = lab.lora_adapter(lab.ensure_vllm_env(), vllm_with_events.model_dir, tmp_path / "lora")
+    args = ["--enable-lora", "--max-lora-rank", "8", "--max-loras", "1"]
+    runtime = {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"}
+    name = "runtime-lora"
+    model_dir = vllm_with_events.model_dir
+    with _another_server("vllm-lora-runtime", tmp_path, model_dir, args, runtime) as served:
+        lora = served.address
+        with Stack() as stack:
+            router, _ = stack.start_router(
+                [base, lora], extra_args=["--set", "models.interval_seconds=60"], ready=True
+            )
+            envoy, _ = stack.start_proxy("override-host", [base, lora], router)
+            admin = stack.router_admin_ports["router"]
+            both = {(base, lab.SERVED_MODEL_NAME), (lora, lab.SERVED_MODEL_NAME)}
+            assert wait_until(lambda: models_known(admin) == both, 30), models_known(admin)
+            body = json.dumps({"lora_name": name, "lora_path": str(adapter)}).encode()
+            load = urllib.request.Request(
+                f"http://{lora}/v1/load_lora_adapter",
+                body,
+                {"Content-Type": "application/json"},
+            )
+            with urllib.request.urlopen(load, timeout=60) as response:
+                assert response.status == 200
+            answers: list[tuple[int, str, str]] = []
+            routed = (200, "routed", lora)
+            started = time.monotonic()
+            while answers[-4:] != [routed] * 4:  # (the lists' next round is 60 s away)
+                assert time.monotonic() - started < 20, answers
+                answers.append(_sent_through(envoy, admin, name, len(answers)))
+                time.sleep(0.1)
+            took = time.monotonic() - started
+            print(f"the adapter's requests after it was loaded ({took:.1f} s): {answers}")
+            # Those before went where a name no list named goes (the lists were alike: by
+            # its prefix, to either server); once one reached the adapter's server, all did.
+            first = answers.index(routed)
+            assert answers[first:] == [routed] * (len(answers) - first), answers
+            assert wait_until(lambda: (lora, name) in models_known(admin), 5)
+            for k in range(3):
+                status, outcome, endpoint = _sent_through(envoy, admin, lab.SERVED_MODEL_NAME, k)
+                assert (status, outcome) == (200, "routed") and endpoint in (base, lora)
+            unload = urllib.request.Request(
+                f"http://{lora}/v1/unload_lora_adapter",
+                json.dumps({"lora_name": name}).encode(),
+                {"Content-Type": "application/json"},
+            )
+            with urllib.request.urlopen(unload, timeout=60) as response:
+                assert response.status == 200
+            gone = _sent_through(envoy, admin, name, 100)
+            print(f"after it was unloaded: {gone}")
+            assert gone[0] == 404, gone
+
+
+def _sent_through(envoy_port: int, admin_port: int, model: str, k: int) -> tuple[int, str, str]:
+    """A short chat for ``model`` through Envoy: its status, the router's outcome for it and
+    the endpoint it routed it to ("" when it passed it through)."""
+    before = len(_decisions(admin_port))
+    body = {
+        "model": model,
+        "messages": [{"role": "user", "content": f"Question {k} for a pool of one. " * 6}],
+        "max_tokens": 4,
+    }
+    request = urllib.request.Request(
+        f"http://{LOOPBACK}:{envoy_port}/v1/chat/completions",
+        json.dumps(body).encode(),
+        {"Content-Type": "application/json"},
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=120) as response:
+            response.read()
+            status = response.status
+    except urllib.error.HTTPError as error:
+        status = error.code
+    assert wait_until(lambda: len(_decisions(admin_port)) > before, 30), "no decision"
+    newest = _decisions(admin_port)[0]
+    return status, newest["outcome"], newest.get("decision", {}).get("endpoint", "")
+
+
+def _decisions(admin_port: int) -> list[dict]:
+    url = f"http://{LOOPBACK}:{admin_port}/debug/decisions?limit=1000"
+    return orjson.loads(urllib.request.urlopen(url, timeout=10).read())["decisions"]
 
 
 def _cache_event_counts(admin_port: int) -> dict[str, float]:

@@ -10,8 +10,9 @@ import urllib.request
 
 import pytest
 
-from extproc.stack import LOOPBACK, Stack
+from extproc.stack import Stack
 
+from ..router_gauges import models_known
 from .conftest import start_routed_stack
 
 pytestmark = [pytest.mark.envoy]
@@ -22,21 +23,6 @@ FAST = ["--prefill-ms-per-token", "0.0001", "--decode-ms-per-token", "0.1"]
 def _chat(model: str, text: str) -> bytes:
     body = {"model": model, "messages": [{"role": "user", "content": text}], "max_tokens": 2}
     return json.dumps(body).encode()
-
-
-def _models_known(admin_port: int) -> set[tuple[str, str]]:
-    url = f"http://{LOOPBACK}:{admin_port}/metrics"
-    with urllib.request.urlopen(url, timeout=5) as response:
-        text = response.read().decode()
-    known = set()
-    for line in text.splitlines():
-        if line.startswith("prefix_router_endpoint_model{") and line.endswith(" 1.0"):
-            labels = dict(
-                part.split("=", 1)
-                for part in line[line.index("{") + 1 : line.index("}")].split(",")
-            )
-            known.add((labels["endpoint"].strip('"'), labels["model"].strip('"')))
-    return known
 
 
 @pytest.mark.parametrize(
@@ -52,8 +38,8 @@ def test_each_models_requests_reach_only_its_pool(mode, body_mode):
         admin = stack.router_admin_ports["router"]
         expected = {(a, "pool-a") for a in pool_a} | {(b, "pool-b") for b in pool_b}
         deadline = time.monotonic() + 10
-        while _models_known(admin) != expected:  # gauges refresh every second
-            assert time.monotonic() < deadline, _models_known(admin)
+        while models_known(admin) != expected:  # gauges refresh every second
+            assert time.monotonic() < deadline, models_known(admin)
             time.sleep(0.2)
         served: dict[str, set[str]] = {"pool-a": set(), "pool-b": set()}
         for k in range(12):
@@ -100,8 +86,8 @@ def test_an_adapter_loaded_at_run_time_is_routed_to_its_server_before_the_next_r
         )
         admin = stack.router_admin_ports["router"]
         deadline = time.monotonic() + 10
-        while len(_models_known(admin)) < 3:  # every list read once
-            assert time.monotonic() < deadline, _models_known(admin)
+        while len(models_known(admin)) < 3:  # every list read once
+            assert time.monotonic() < deadline, models_known(admin)
             time.sleep(0.2)
         body = json.dumps({"lora_name": "sql-lora", "lora_path": "/adapters/sql"}).encode()
         load = urllib.request.Request(f"http://{members[2]}/v1/load_lora_adapter", data=body)
@@ -115,7 +101,7 @@ def test_an_adapter_loaded_at_run_time_is_routed_to_its_server_before_the_next_r
             statuses.append((response.status, response.replica))
             time.sleep(0.05)
         deadline = time.monotonic() + 5
-        while (members[2], "sql-lora") not in _models_known(admin):  # (gauges: every second)
-            assert time.monotonic() < deadline, _models_known(admin)
+        while (members[2], "sql-lora") not in models_known(admin):  # (gauges: every second)
+            assert time.monotonic() < deadline, models_known(admin)
             time.sleep(0.2)
         print(f"requests for the adapter until it was routed: {len(statuses) - 8}: {statuses}")
