@@ -267,9 +267,9 @@ def run(args: argparse.Namespace) -> int:
                 rate, (0.9, 0.55), args.endpoints, args.scrape_seconds, leaving=left
             )
             row: dict[str, float | None] = {"requests_per_second": rate}
-            for below in (0.9, 0.55):
-                label = f"{'over' if left else 'below'}_{str(below).replace('.', '_')}_s"
-                row[label] = None if math.isinf(took[below]) else took[below]  # None: never
+            for threshold in (0.9, 0.55):
+                label = f"{'over' if left else 'below'}_{str(threshold).replace('.', '_')}_s"
+                row[label] = None if math.isinf(took[threshold]) else took[threshold]  # None: never
             rows.append(row)
     print(
         f"A second router joins (every other request from then on), or leaves (this router "
