@@ -15,9 +15,10 @@ import time
 import urllib.error
 import urllib.request
 import zoneinfo
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 import numpy as np
 import orjson
@@ -36,6 +37,7 @@ from ..router_gauges import models_known
 from ..waiting import wait_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.timeout(900)]
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -102,10 +104,13 @@ def _complete(address: str, prompt: str) -> str:
         return json.load(response)["choices"][0]["text"]
 
 
-def _post(address: str, path: str) -> None:
-    urllib.request.urlopen(
-        urllib.request.Request(f"http://{address}{path}", b"", method="POST"), timeout=30
-    )
+def _post(address: str, path: str, body: dict | None = None) -> int:
+    """POST to the server (``body`` as JSON, else empty); its status (errors raise)."""
+    data = b"" if body is None else json.dumps(body).encode()
+    headers = {} if body is None else {"Content-Type": "application/json"}
+    request = urllib.request.Request(f"http://{address}{path}", data, headers, method="POST")
+    with urllib.request.urlopen(request, timeout=60) as response:
+        return response.status
 
 
 @contextlib.contextmanager
@@ -616,14 +621,8 @@ def test_an_adapter_vllm_loads_at_run_time_is_routed_to_its_server(
             admin = stack.router_admin_ports["router"]
             both = {(base, lab.SERVED_MODEL_NAME), (lora, lab.SERVED_MODEL_NAME)}
             assert wait_until(lambda: models_known(admin) == both, 30), models_known(admin)
-            body = json.dumps({"lora_name": name, "lora_path": str(adapter)}).encode()
-            load = urllib.request.Request(
-                f"http://{lora}/v1/load_lora_adapter",
-                body,
-                {"Content-Type": "application/json"},
-            )
-            with urllib.request.urlopen(load, timeout=60) as response:
-                assert response.status == 200
+            load = {"lora_name": name, "lora_path": str(adapter)}
+            assert _post(lora, "/v1/load_lora_adapter", load) == 200
             before = [_sent_through(envoy, admin, name, 0)]  # names a model no list names
             started = time.monotonic()
             while (lora, name) not in models_known(admin):  # (gauges: every second)
@@ -636,13 +635,7 @@ def test_an_adapter_vllm_loads_at_run_time_is_routed_to_its_server(
             for k in range(3):
                 status, outcome, endpoint = _sent_through(envoy, admin, lab.SERVED_MODEL_NAME, k)
                 assert (status, outcome) == (200, "routed") and endpoint in (base, lora)
-            unload = urllib.request.Request(
-                f"http://{lora}/v1/unload_lora_adapter",
-                json.dumps({"lora_name": name}).encode(),
-                {"Content-Type": "application/json"},
-            )
-            with urllib.request.urlopen(unload, timeout=60) as response:
-                assert response.status == 200
+            assert _post(lora, "/v1/unload_lora_adapter", {"lora_name": name}) == 200
             gone = _sent_through(envoy, admin, name, 200)
             print(f"after it was unloaded: {gone}")
             assert gone == (404, "routed", lora), gone
@@ -651,7 +644,6 @@ def test_an_adapter_vllm_loads_at_run_time_is_routed_to_its_server(
 def _sent_through(envoy_port: int, admin_port: int, model: str, k: int) -> tuple[int, str, str]:
     """A short chat for ``model`` through Envoy: its status, the router's outcome for it and
     the endpoint it routed it to ("" when it passed it through)."""
-    newest = _decisions(admin_port)[:1]
     body = {
         "model": model,
         "messages": [{"role": "user", "content": f"Question {k} for a pool of one. " * 6}],
@@ -662,16 +654,27 @@ def _sent_through(envoy_port: int, admin_port: int, model: str, k: int) -> tuple
         json.dumps(body).encode(),
         {"Content-Type": "application/json"},
     )
-    try:
-        with urllib.request.urlopen(request, timeout=120) as response:
-            response.read()
-            status = response.status
-    except urllib.error.HTTPError as error:
-        status = error.code
-    # (The log is a bounded ring: a new record shows as a new newest one, not a longer list.)
-    assert wait_until(lambda: _decisions(admin_port)[:1] != newest, 30), "no decision"
-    record = _decisions(admin_port)[0]
+
+    def send() -> int:
+        try:
+            with urllib.request.urlopen(request, timeout=120) as response:
+                response.read()
+                return response.status
+        except urllib.error.HTTPError as error:
+            return error.code
+
+    status, record = _decided(admin_port, send)
     return status, record["outcome"], record.get("decision", {}).get("endpoint", "")
+
+
+def _decided(admin_port: int, send: Callable[[], T]) -> tuple[T, dict]:
+    """What ``send()`` returned, and the router's record of the request it sent: the newest
+    once a new one shows (the log is a bounded ring: a longer list cannot tell, and the
+    record is written when the stream ends, just after the reply)."""
+    newest = _decisions(admin_port)[:1]
+    result = send()
+    assert wait_until(lambda: _decisions(admin_port)[:1] != newest, 30), "no decision"
+    return result, _decisions(admin_port)[0]
 
 
 def _decisions(admin_port: int) -> list[dict]:
@@ -747,11 +750,6 @@ def _wait_until_settled(admin_port: int, quiet_seconds: float = 1.0) -> None:
             last, since = now, time.monotonic()
 
 
-def _routed_decisions(admin_port: int) -> list[dict]:
-    url = f"http://{LOOPBACK}:{admin_port}/debug/decisions?outcome=routed"
-    return orjson.loads(urllib.request.urlopen(url, timeout=10).read())["decisions"]
-
-
 def _routed_through(
     envoy_port: int,
     admin_port: int,
@@ -759,18 +757,13 @@ def _routed_through(
     model: str = lab.SERVED_MODEL_NAME,
 ) -> dict:
     """Send a conversation (or a completions prompt) through Envoy; the router's decision."""
-    before = len(_routed_decisions(admin_port))
+    address = f"{LOOPBACK}:{envoy_port}"
     if isinstance(messages, str):
-        _complete(f"{LOOPBACK}:{envoy_port}", messages)
+        _, record = _decided(admin_port, lambda: _complete(address, messages))
     else:
-        _chat(f"{LOOPBACK}:{envoy_port}", messages, model)
-    deadline = time.monotonic() + 30
-    while True:  # recorded when the stream ends, just after the reply
-        routed = _routed_decisions(admin_port)
-        if len(routed) > before:
-            return routed[0]["decision"]
-        assert time.monotonic() < deadline, "no routed decision"
-        time.sleep(0.1)
+        _, record = _decided(admin_port, lambda: _chat(address, messages, model))
+    assert record["outcome"] == "routed", record
+    return record["decision"]
 
 
 @pytest.mark.parametrize("api", ["chat", "completions"])
