@@ -41,6 +41,9 @@ def decision_record(outcome: Outcome) -> dict[str, Any]:
         "served": outcome.served,
         "status": outcome.status,
     }
+    if outcome.list_wait:  # its model was in no list: it waited for them read again
+        record["list_wait"] = outcome.list_wait
+        record["list_wait_ms"] = round(outcome.list_wait_seconds * 1000, 3)
     if outcome.decision is not None:
         record["decision"] = outcome.decision.explain()
     return record

@@ -599,6 +599,15 @@ class ModelsConfig(_Strict):
         description="time between reads (a model no list names has them read at once)",
     )
     timeout_seconds: float = Field(default=1.0, gt=0, description="read timeout")
+    unknown_wait_seconds: float = Field(
+        default=0.5,
+        ge=0,
+        lt=1.0,
+        description="a request naming a model no list names waits up to this long for the "
+        "lists read again at once (an adapter loaded at run time then goes to its server from "
+        "its first request); 0: it does not wait. Below Envoy's ext_proc message_timeout "
+        "(1 s in this project's configs)",
+    )
     api_key_env: str = Field(
         default="",
         description="environment variable holding the key the lists need (vLLM's --api-key "

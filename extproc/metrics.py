@@ -58,6 +58,15 @@ class RouterMetrics:
             buckets=DECISION_BUCKETS,
             registry=registry,
         )
+        self.list_wait_seconds = Histogram(
+            "prefix_router_model_list_wait_seconds",
+            "Time a request naming a model no list named waited for the model lists read "
+            "again (models.unknown_wait_seconds), by how it ended: listed (a list names it "
+            "now: an adapter loaded at run time), not_listed, timeout",
+            ("result",),
+            buckets=(1e-3, 5e-3, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0),
+            registry=registry,
+        )
         self.body_bytes = Histogram(
             "prefix_router_request_body_bytes",
             "Request bodies the router read",
@@ -256,6 +265,8 @@ class RouterMetrics:
             self.body_bytes.observe(outcome.body_bytes)
         if outcome.decide_seconds:
             self.decision_seconds.observe(outcome.decide_seconds)
+        if outcome.list_wait:
+            self.list_wait_seconds.labels(outcome.list_wait).observe(outcome.list_wait_seconds)
         if decision is not None and decision.endpoint:
             self.endpoint_decisions.labels(decision.endpoint).inc()
             self.prompt_blocks.labels(decision.endpoint).inc(decision.total_blocks)

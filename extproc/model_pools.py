@@ -12,8 +12,9 @@ its list is read within ~0.1 s).
 Pools exist only where the known lists differ. With one list everywhere (one model, or
 servers that ignore ``model``: TGI's clients send "tgi") a model no list names goes
 anywhere, as before: the server decides. A model no list names has the lists read again at
-once (``take_unknown``; the service limits how often): a LoRA adapter loaded at run time
-(vLLM's ``/v1/load_lora_adapter``) is routed to its servers within ~0.1 s, not at the next
+once (``unlisted``, ``take_unknown``; the service limits how often), and its request waits
+for that read (``models.unknown_wait_seconds``): a LoRA adapter loaded at run time (vLLM's
+``/v1/load_lora_adapter``) is routed to its servers from its first request, not at the next
 round.
 
 Endpoints that left (a pod that failed its readiness probe leaves the discovered set) are
@@ -149,6 +150,15 @@ class ModelPools:
         if not self._open.any():
             raise NotRoutable("unknown_model")
         return self._open
+
+    def unlisted(self, model: str, now: float) -> bool:
+        """Whether ``model`` is named by no list read while some list is known (not when the
+        request names none, nor for a model whose servers all left lately): its request
+        may wait for the lists read again (``ModelLister.read_again_for``)."""
+        if not model or self._pools == 0 or model in self._masks:
+            return False
+        left = self._departed_models.get(model)
+        return left is None or now - left >= REMEMBER_SECONDS
 
     def take_unknown(self) -> set[str]:
         """The models asked for since the last call that no list names."""

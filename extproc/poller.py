@@ -74,6 +74,7 @@ class EndpointPoller(Generic[Result]):
         self._task: asyncio.Task[None] | None = None
         self._polled: set[str] = set()
         self._eager: set[str] = set()  # to poll at once though polled before (``unpolled``)
+        self.session: aiohttp.ClientSession | None = None  # while the loop runs
 
     def start(self) -> None:
         if self._task is None:
@@ -92,6 +93,7 @@ class EndpointPoller(Generic[Result]):
         # poll wait for a connection inside its timeout, and fail.
         connector = aiohttp.TCPConnector(limit=0)
         async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
+            self.session = session
             watcher = None
             if self.new_address_seconds is not None:
                 watcher = asyncio.create_task(self._poll_new(session), name=self.task_name)
@@ -100,6 +102,7 @@ class EndpointPoller(Generic[Result]):
                     await self.poll_all(session)
                     await asyncio.sleep(self.interval)
             finally:
+                self.session = None
                 if watcher is not None:
                     watcher.cancel()
                     with contextlib.suppress(asyncio.CancelledError):

@@ -9,6 +9,8 @@ before this existed.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 import math
 import os
@@ -85,6 +87,10 @@ class ModelLister(EndpointPoller["frozenset[str] | None"]):
         self._unknown_models = unknown_models
         self._asked: dict[str, float] = {}  # unknown model -> when it had the lists read
         self._read_all_at = -math.inf
+        # A read of every list a request waits for (``read_again_for``), and per name the
+        # future its requests wait on: done once a list names it, or every list answered.
+        self._reading: asyncio.Task[None] | None = None
+        self._reading_for: dict[str, asyncio.Future[None]] = {}
         self._headers = auth_headers(config) if config.enabled else {}
         self._on_models = on_models
         self.latest: dict[str, frozenset[str] | None] = {}
@@ -118,6 +124,72 @@ class ModelLister(EndpointPoller["frozenset[str] | None"]):
             "models %s are in no list read: reading every endpoint's list again", sorted(fresh)
         )
         return True
+
+    def read_again_for(self, model: str) -> asyncio.Future[None] | None:
+        """A request names ``model``, which no list read names (an adapter loaded at run
+        time, maybe): every list is read again now and the request waits on the returned
+        future (the caller bounds the wait), done as soon as a list names the model, or
+        once every list answered. So a just-loaded adapter's first request goes to its
+        server, not by its prefix to one that answers 404.
+
+        None (no wait, the request is routed as it is) when the lists are not being read
+        (disabled, or stopped), when this name had them read within UNKNOWN_MODEL_SECONDS
+        and no read for it is under way (TGI's "tgi", a typo: one request in that time
+        waits), or when another name had them read less than a second ago (this one's read
+        comes at the next check, ``wants_all``). A name asked while a read for another
+        is under way waits for that read's end, and is read again later if still unknown.
+        """
+        session = self.session
+        if session is None or session.closed:
+            return None
+        waiting = self._reading_for.get(model)
+        if waiting is not None:
+            return waiting
+        loop = asyncio.get_running_loop()
+        if self._reading is not None:  # started for another name, before this request
+            waiting = self._reading_for[model] = loop.create_future()
+            return waiting
+        now = time.monotonic()
+        if now - self._asked.get(model, -math.inf) < UNKNOWN_MODEL_SECONDS:
+            return None
+        if now - self._read_all_at < 1.0:
+            return None
+        if len(self._asked) >= MAX_MODELS:
+            self._asked = {m: t for m, t in self._asked.items() if now - t < UNKNOWN_MODEL_SECONDS}
+        self._asked[model] = self._read_all_at = now
+        log.info("model %r is in no list read: reading every endpoint's list again", model)
+        waiting = self._reading_for[model] = loop.create_future()
+        self._reading = loop.create_task(self._read_every_list(session), name=self.task_name)
+        return waiting
+
+    async def _read_every_list(self, session: aiohttp.ClientSession) -> None:
+        async def read(address: str) -> None:
+            models = await self.poll(session, address)
+            try:
+                self.record(address, models)
+            except Exception:
+                log.exception("%s: recording %s's answer failed", self.task_name, address)
+            for name in models or ():
+                waiting = self._reading_for.get(name)
+                if waiting is not None and not waiting.done():
+                    waiting.set_result(None)
+
+        try:
+            await asyncio.gather(*(read(a) for a in self._addresses()))
+        finally:
+            for waiting in self._reading_for.values():
+                if not waiting.done():
+                    waiting.set_result(None)
+            self._reading_for = {}
+            self._reading = None
+
+    async def stop(self) -> None:
+        reading = self._reading
+        if reading is not None:
+            reading.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await reading
+        await super().stop()
 
     async def poll(self, session: aiohttp.ClientSession, address: str) -> frozenset[str] | None:
         url = f"http://{address}{self.config.path}"

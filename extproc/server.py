@@ -10,6 +10,7 @@ The decision's endpoint counts one in-flight request until the stream ends.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import math
 import time
@@ -27,7 +28,7 @@ from envoy.type.v3 import http_status_pb2
 from google.protobuf import struct_pb2
 
 from .config import ServerConfig
-from .prompt import NotRoutable, api_for_path, parse_request
+from .prompt import LLMRequest, NotRoutable, api_for_path, parse_request
 from .router import Router
 from .scheduler import RULE_NO_ENDPOINT, Decision
 from .telemetry import DecisionTracer
@@ -99,6 +100,10 @@ class Outcome:
     prompt_bytes: int = 0
     body_bytes: int = 0
     decide_seconds: float = 0.0
+    # Its model was in no list read: how long it waited for the lists read again, and how
+    # that ended ("listed": a list names it now; "not_listed"; "timeout").
+    list_wait: str = ""
+    list_wait_seconds: float = 0.0
     served: str = ""
     status: str = ""
     headers: dict[str, str] = field(default_factory=dict)
@@ -122,6 +127,11 @@ class _Exchange:
     call_metadata: dict[str, str] | None = None
     # The response is a server-sent-events stream (its headers came before its prefill).
     event_stream: bool = False
+    # Waiting for the model lists read again: the parsed request, what is awaited, and what
+    # answers the message once it is done (``_after_the_lists``).
+    request: LLMRequest | None = None
+    waiting: asyncio.Future[None] | None = None
+    resume: Callable[[], list] | None = None
     outcome: Outcome = field(default_factory=lambda: Outcome("pass_through", "no_body"))
 
 
@@ -190,13 +200,19 @@ class ExternalProcessorService(ext_grpc.ExternalProcessorServicer):
         tracer: DecisionTracer | None = None,
         progress: Callable[[], None] | None = None,
         probes: bool = True,
+        read_lists_for: Callable[[str], asyncio.Future[None] | None] | None = None,
+        list_wait_seconds: float = 0.0,
     ) -> None:
         """``progress`` is called after every message handled: the worker's heartbeat
         (serve.py), so that a loop busy with long requests is not taken for hung.
         ``probes``: the router probes its endpoints (health.enabled). Only then does what
         Envoy reports of a failed attempt take an endpoint out: a passing probe brings it
-        back, and without probes nothing would."""
+        back, and without probes nothing would. ``read_lists_for(model)``: the model lists
+        read again for a model none names, what to wait on (``ModelLister.read_again_for``);
+        a request waits for it up to ``list_wait_seconds``."""
         self.router = router
+        self._read_lists_for = read_lists_for if list_wait_seconds > 0 else None
+        self._list_wait_seconds = list_wait_seconds
         self.config = config
         self._takes_out = probes
         self.observer = observer
@@ -240,34 +256,43 @@ class ExternalProcessorService(ext_grpc.ExternalProcessorServicer):
         )
         return common, metadata
 
-    def _decide(self, ex: _Exchange) -> ext_pb.ProcessingResponse | tuple:
+    def _decide(self, ex: _Exchange) -> ext_pb.ProcessingResponse | tuple | None:
         """Route the buffered body. Returns an ImmediateResponse, or (common, metadata)
-        for a decision, or () for a pass-through."""
+        for a decision, () for a pass-through, or None when the request is to wait for the
+        model lists read again (``ex.waiting``; then it is called again)."""
         started = time.perf_counter()
-        body = b"".join(ex.chunks) if len(ex.chunks) != 1 else ex.chunks[0]
-        ex.chunks = [body] if body else []
         outcome = ex.outcome
-        outcome.body_bytes = len(body)
-        outcome.api = ex.routable_api or ""
+        request = ex.request
+        if request is None:
+            body = b"".join(ex.chunks) if len(ex.chunks) != 1 else ex.chunks[0]
+            ex.chunks = [body] if body else []
+            outcome.body_bytes = len(body)
+            outcome.api = ex.routable_api or ""
         try:
-            if ex.size > self.config.max_body_bytes:
-                raise NotRoutable("body_too_large")
-            request = parse_request(ex.routable_api or "", body)
-            outcome.model = request.model
-            outcome.prompt_bytes = len(request.prompt)
+            if request is None:
+                if ex.size > self.config.max_body_bytes:
+                    raise NotRoutable("body_too_large")
+                request = parse_request(ex.routable_api or "", body)
+                outcome.model = request.model
+                outcome.prompt_bytes = len(request.prompt)
+                ex.waiting = self._lists_read_for(request.model)
+                if ex.waiting is not None:
+                    ex.request = request
+                    outcome.decide_seconds = time.perf_counter() - started
+                    return None
             decision = self.router.route(request, allowed=ex.subset, defer_record=True)
         except NotRoutable as exc:
             outcome.kind, outcome.detail = "pass_through", exc.kind
-            outcome.decide_seconds = time.perf_counter() - started
+            outcome.decide_seconds += time.perf_counter() - started
             return ()
         except Exception as exc:  # a fault of the router's: the request goes on undecided
             # Raised out of the stream, it failed: Envoy fails open in buffered mode, but in
             # full-duplex mode, with the body handed over, it can only answer 500.
             log.exception("routing failed; the request goes on without a decision")
             outcome.kind, outcome.detail = "error", type(exc).__name__
-            outcome.decide_seconds = time.perf_counter() - started
+            outcome.decide_seconds += time.perf_counter() - started
             return ()
-        outcome.decide_seconds = time.perf_counter() - started
+        outcome.decide_seconds += time.perf_counter() - started
         no_endpoint = decision.rule == RULE_NO_ENDPOINT or decision.endpoint is None
         if no_endpoint and not self.router.endpoints_known and ex.subset is None:
             # Discovery has not answered yet (a worker just started while its siblings
@@ -284,6 +309,31 @@ class ExternalProcessorService(ext_grpc.ExternalProcessorServicer):
         outcome.kind = "routed"
         return self._decision_parts(decision, ex.span)
 
+    def _lists_read_for(self, model: str) -> asyncio.Future[None] | None:
+        """What a request naming ``model`` waits on before it is routed: the model lists
+        read again, when no list names it (an adapter loaded at run time); else None."""
+        read = self._read_lists_for
+        if read is None or not self.router.models.unlisted(model, self.router.clock()):
+            return None
+        return read(model)
+
+    async def _after_the_lists(self, ex: _Exchange) -> list:
+        """Wait (bounded) for the model lists read again, then answer the held message."""
+        waiting, resume = ex.waiting, ex.resume
+        assert waiting is not None and resume is not None
+        ex.waiting = ex.resume = None
+        started = time.perf_counter()
+        done, _ = await asyncio.wait({waiting}, timeout=self._list_wait_seconds)
+        outcome = ex.outcome
+        outcome.list_wait_seconds = time.perf_counter() - started
+        if not done:
+            outcome.list_wait = "timeout"
+        elif self.router.models.unlisted(outcome.model, self.router.clock()):
+            outcome.list_wait = "not_listed"
+        else:
+            outcome.list_wait = "listed"
+        return resume()
+
     # -- the stream ---------------------------------------------------------------------
     async def Process(
         self,
@@ -298,6 +348,8 @@ class ExternalProcessorService(ext_grpc.ExternalProcessorServicer):
         try:
             async for request in request_iterator:
                 responses = self._handle(ex, request)
+                if ex.waiting is not None:  # its model is in no list: they are read again
+                    responses = await self._after_the_lists(ex)
                 self._progress()  # (here: this generator resumes after the others' work)
                 for response in responses:
                     yield response
@@ -408,7 +460,13 @@ class ExternalProcessorService(ext_grpc.ExternalProcessorServicer):
             return self._finish_full_duplex(ex, end_of_stream=True)
         # BUFFERED: Envoy sends the whole body in one message.
         ex.decided = True
+        return self._answer_buffered(ex)
+
+    def _answer_buffered(self, ex: _Exchange) -> list:
         result = self._decide(ex)
+        if result is None:
+            ex.resume = lambda: self._answer_buffered(ex)
+            return []
         if isinstance(result, ext_pb.ProcessingResponse):
             return [result]
         if not result:
@@ -424,11 +482,20 @@ class ExternalProcessorService(ext_grpc.ExternalProcessorServicer):
         responses = []
         if ex.full_duplex and ex.routable_api and not ex.decided and not ex.passing_through:
             responses = self._finish_full_duplex(ex, end_of_stream=False)
+            if ex.waiting is not None:
+                ex.resume = lambda: [
+                    *self._finish_full_duplex(ex, end_of_stream=False),
+                    _EMPTY_REQUEST_TRAILERS,
+                ]
+                return []
         return [*responses, _EMPTY_REQUEST_TRAILERS]
 
     def _finish_full_duplex(self, ex: _Exchange, end_of_stream: bool) -> list:
         ex.decided = True
         result = self._decide(ex)
+        if result is None:
+            ex.resume = lambda: self._finish_full_duplex(ex, end_of_stream)
+            return []
         if isinstance(result, ext_pb.ProcessingResponse):
             return [result]
         if result:

@@ -151,6 +151,9 @@ class DecisionTracer:
             "http.request.method": outcome.headers.get(":method", ""),
             "url.path": outcome.headers.get(":path", "").split("?", 1)[0],
         }
+        if outcome.list_wait:
+            attrs["prefix_router.list_wait"] = outcome.list_wait
+            attrs["prefix_router.list_wait_ms"] = round(outcome.list_wait_seconds * 1000, 3)
         decision = outcome.decision
         if decision is not None:
             attrs.update(

@@ -85,6 +85,7 @@ def test_endpoints_from_a_comma_string_and_ipv6():
         ({"routing.typo_field": 1}, "routing.typo_field"),
         ({"server.header_name": "has space"}, "server.header_name"),
         ({"server.worker_hang_seconds": 4}, "server.worker_hang_seconds"),
+        ({"models.unknown_wait_seconds": 1.0}, "models.unknown_wait_seconds"),
     ],
 )
 def test_invalid_values_name_the_field(overrides, field):

@@ -104,7 +104,9 @@ def test_model_lists_are_parsed_strictly():
             parse_model_list(bad)
 
 
-async def _started_service(endpoints: str, models_interval: float) -> RouterService:
+async def _started_service(
+    endpoints: str, models_interval: float, **overrides: object
+) -> RouterService:
     """A started router service (no admin port, probes and scrapes off) reading the model
     lists of ``endpoints`` every ``models_interval`` seconds."""
     cfg = load_config(
@@ -115,6 +117,7 @@ async def _started_service(endpoints: str, models_interval: float) -> RouterServ
             "health.enabled": False,
             "signals.enabled": False,
             "models.interval_seconds": models_interval,
+            **overrides,
         },
         environ={},
     )
@@ -427,3 +430,134 @@ def test_an_unreadable_list_of_a_member_not_ready_changes_nothing():
     assert router.served_models()[B[0]] == frozenset({"model-b"})
     router.set_endpoints(endpoints)
     assert _placed(router, "model-a") <= set(A)
+
+
+async def _route_through(svc: RouterService, model: str, text: str, full_duplex: bool) -> dict:
+    """One chat for ``model`` through the service's ext_proc stream (buffered, or full
+    duplex ended by trailers): the router's record of it, with the endpoint its answer
+    named (``"sent_to"``, "" when it passed it through)."""
+    import grpc
+    from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
+    from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as epg
+
+    from .test_server import body_msg, headers_msg
+
+    body = orjson.dumps({"model": model, "messages": [{"role": "user", "content": text}]})
+    messages = [headers_msg(full_duplex=full_duplex), body_msg(body, eos=not full_duplex)]
+    if full_duplex:
+        messages.append(ep.ProcessingRequest(request_trailers=ep.HttpTrailers()))
+
+    async def stream():
+        for message in messages:
+            yield message
+
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{svc.port}") as channel:
+        answers = [a async for a in epg.ExternalProcessorStub(channel).Process(stream())]
+    record = svc.decisions.recent(1)[0]
+    sent_to = ""
+    for answer in answers:
+        common = (
+            answer.request_body.response
+            if answer.HasField("request_body")
+            else answer.request_headers.response
+        )
+        for option in common.header_mutation.set_headers:
+            if option.header.key == svc.config.server.header_name:
+                sent_to = option.header.raw_value.decode().split(",")[0]
+    return {**record, "sent_to": sent_to, "answers": len(answers)}
+
+
+def _waits(result: str) -> float:
+    """Requests counted as having waited for the lists read again, by how it ended."""
+    from prometheus_client import REGISTRY
+
+    name = "prefix_router_model_list_wait_seconds_count"
+    return REGISTRY.get_sample_value(name, {"result": result}) or 0.0
+
+
+async def _load_adapter(address: str, name: str) -> None:
+    import aiohttp
+
+    body = {"lora_name": name, "lora_path": f"/adapters/{name}"}
+    url = f"http://{address}/v1/load_lora_adapter"
+    async with aiohttp.ClientSession() as session, session.post(url, json=body) as answer:
+        assert answer.status == 200, await answer.text()
+
+
+@pytest.mark.parametrize("full_duplex", [False, True], ids=["buffered", "full_duplex"])
+async def test_the_first_request_for_an_adapter_loaded_at_run_time_goes_to_its_server(
+    full_duplex: bool,
+):
+    """Two stand-in replicas list the same model, read once (the rounds an hour apart);
+    then each loads adapters at run time. Each adapter's first request names a model no
+    list read names: it waits for every list read again, and goes to the server that loaded
+    it (before, it went by its prefix to either one, the other answering 404). A name
+    asked again within UNKNOWN_MODEL_SECONDS does not wait again."""
+    from extproc.fake_replica import ReplicaSettings, start_replica
+
+    runners, addresses = [], []
+    for name in ("r1", "r2"):
+        runner, port = await start_replica(ReplicaSettings(name=name, model="base", port=0))
+        runners.append(runner)
+        addresses.append(f"127.0.0.1:{port}")
+    svc = await _started_service(",".join(addresses), 3600.0)
+    listed_before = _waits("listed")
+    try:
+        await _wait_for(lambda: all(svc.router.served_models().values()))
+        assert set(svc.router.served_models().values()) == {frozenset({"base"})}
+        for k in range(6):
+            if k:
+                await asyncio.sleep(1.05)  # (another name had the lists read within 1 s)
+            loader = addresses[k % 2]
+            await _load_adapter(loader, f"lora-{k}")
+            record = await _route_through(svc, f"lora-{k}", f"question {k} " * 40, full_duplex)
+            assert record["sent_to"] == loader, (k, record)
+            assert record["list_wait"] == "listed", record
+            assert record["list_wait_ms"] < 500, record
+            assert record["answers"] == (3 if full_duplex else 2), record  # (each message answered)
+        again = await _route_through(svc, "lora-5", "question again " * 40, full_duplex)
+        assert again["sent_to"] == addresses[1] and "list_wait" not in again, again
+        assert _waits("listed") - listed_before == 6
+    finally:
+        await svc.stop(0)
+        for runner in runners:
+            await runner.cleanup()
+
+
+async def test_a_request_waits_for_the_lists_no_longer_than_the_bound_and_a_typo_once():
+    """A model no list names, read again while one endpoint's list hangs: the request
+    waits ``models.unknown_wait_seconds`` and is routed; a name every list answered
+    without is told at once ("not_listed") and, asked again within
+    UNKNOWN_MODEL_SECONDS, does not wait; with the bound 0 nothing waits."""
+    runner, port, hung, hung_address = await _a_replica_and_a_hung_one()
+    address = f"127.0.0.1:{port}"
+    svc = await _started_service(
+        f"{address},{hung_address}",
+        3600.0,
+        **{"models.timeout_seconds": 3.0, "models.unknown_wait_seconds": 0.3},
+    )
+    try:
+        await _wait_for(lambda: svc.router.served_models()[address])
+        record = await _route_through(svc, "new-lora", "new " * 40, full_duplex=False)
+        assert record["list_wait"] == "timeout" and record["outcome"] == "routed", record
+        assert 250 <= record["list_wait_ms"] < 1000, record
+    finally:
+        await svc.stop(0)
+        await hung.cleanup()
+    svc = await _started_service(address, 3600.0)
+    try:
+        await _wait_for(lambda: svc.router.served_models()[address])
+        typo = await _route_through(svc, "gpt-4", "typo " * 40, full_duplex=True)
+        assert typo["list_wait"] == "not_listed" and typo["outcome"] == "routed", typo
+        again = await _route_through(svc, "gpt-4", "typo again " * 40, full_duplex=True)
+        assert "list_wait" not in again and again["outcome"] == "routed", again
+    finally:
+        await svc.stop(0)
+    svc = await _started_service(address, 3600.0, **{"models.unknown_wait_seconds": 0})
+    try:
+        await _wait_for(lambda: svc.router.served_models()[address])
+        record = await _route_through(svc, "other-lora", "other " * 40, full_duplex=False)
+        assert "list_wait" not in record and record["outcome"] == "routed", record
+    finally:
+        await svc.stop(0)
+        await runner.cleanup()

@@ -599,11 +599,12 @@ def test_an_adapter_vllm_loads_at_run_time_is_routed_to_its_server(
     """Real vLLM's ``/v1/load_lora_adapter`` on one of two servers behind Envoy and one
     router whose rounds of the model lists are an hour apart: the adapter's first request
     names a model no list read names, so the router reads every list again at once (that
-    read is the only way it can learn the adapter within the test), and from then on
-    every request for it reaches the server that loaded it (before, while both lists
-    named one model, they went by their prefix to either server, the other answering
-    404); the base model's still route. Unloaded, the adapter's request gets vLLM's 404,
-    a clear answer, from the server that listed it. (The stand-in replica's copy of the
+    read is the only way it can learn the adapter within the test) and the request waits
+    for it (``models.unknown_wait_seconds``): every request for the adapter, the first
+    included, reaches the server that loaded it (before, the first ones, while both lists
+    named one model, went by their prefix to either server, the other answering 404);
+    the base model's still route. Unloaded, the adapter's request gets vLLM's 404, a
+    clear answer, from the server that listed it. (The stand-in replica's copy of the
     API: tests/integration/test_model_pools.py.)"""
     base = vllm_with_events.address
     model_dir = vllm_with_events.model_dir
@@ -623,27 +624,28 @@ def test_an_adapter_vllm_loads_at_run_time_is_routed_to_its_server(
             assert wait_until(lambda: models_known(admin) == both, 30), models_known(admin)
             load = {"lora_name": name, "lora_path": str(adapter)}
             assert _post(lora, "/v1/load_lora_adapter", load) == 200
-            before = [_sent_through(envoy, admin, name, 0)]  # names a model no list names
-            started = time.monotonic()
-            while (lora, name) not in models_known(admin):  # (gauges: every second)
-                assert time.monotonic() - started < 10, models_known(admin)
-                before.append(_sent_through(envoy, admin, name, len(before)))
-                time.sleep(0.1)
-            after = [_sent_through(envoy, admin, name, 100 + k) for k in range(6)]
-            print(f"the adapter's requests until its list was read again: {before}")
-            assert after == [(200, "routed", lora)] * 6, after
+            first = _sent_through(envoy, admin, name, 0)  # names a model no list names
+            waited = _decisions(admin)[0].get("list_wait_ms")
+            print(f"the adapter's first request: {first}, after {waited} ms for the lists")
+            assert first == (200, "routed", lora, "listed"), first  # (it waited for the read)
+            after = [_sent_through(envoy, admin, name, 100 + k) for k in range(5)]
+            assert after == [(200, "routed", lora, "")] * 5, after
+            assert wait_until(lambda: (lora, name) in models_known(admin), 10)  # (gauges: 1 s)
             for k in range(3):
-                status, outcome, endpoint = _sent_through(envoy, admin, lab.SERVED_MODEL_NAME, k)
+                status, outcome, endpoint, _ = _sent_through(envoy, admin, lab.SERVED_MODEL_NAME, k)
                 assert (status, outcome) == (200, "routed") and endpoint in (base, lora)
             assert _post(lora, "/v1/unload_lora_adapter", {"lora_name": name}) == 200
             gone = _sent_through(envoy, admin, name, 200)
             print(f"after it was unloaded: {gone}")
-            assert gone == (404, "routed", lora), gone
+            assert gone == (404, "routed", lora, ""), gone
 
 
-def _sent_through(envoy_port: int, admin_port: int, model: str, k: int) -> tuple[int, str, str]:
-    """A short chat for ``model`` through Envoy: its status, the router's outcome for it and
-    the endpoint it routed it to ("" when it passed it through)."""
+def _sent_through(
+    envoy_port: int, admin_port: int, model: str, k: int
+) -> tuple[int, str, str, str]:
+    """A short chat for ``model`` through Envoy: its status, the router's outcome for it,
+    the endpoint it routed it to ("" when it passed it through) and how its wait for the
+    model lists read again ended ("" when it did not wait)."""
     body = {
         "model": model,
         "messages": [{"role": "user", "content": f"Question {k} for a pool of one. " * 6}],
@@ -664,7 +666,8 @@ def _sent_through(envoy_port: int, admin_port: int, model: str, k: int) -> tuple
             return error.code
 
     status, record = _decided(admin_port, send)
-    return status, record["outcome"], record.get("decision", {}).get("endpoint", "")
+    endpoint = record.get("decision", {}).get("endpoint", "")
+    return status, record["outcome"], endpoint, record.get("list_wait", "")
 
 
 def _decided(admin_port: int, send: Callable[[], T]) -> tuple[T, dict]:

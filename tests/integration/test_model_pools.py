@@ -69,39 +69,43 @@ def test_without_the_model_lists_requests_land_in_the_wrong_pool():
         assert 404 in statuses and 200 in statuses
 
 
-def test_an_adapter_loaded_at_run_time_is_routed_to_its_server_before_the_next_round():
-    """A LoRA adapter loaded on one replica (vLLM's /v1/load_lora_adapter): the first
-    requests for it name a model no list read names, which has the router read every list
-    again at once. With the lists' rounds 60 s apart, only that read can teach it where the
-    adapter is within this test; before, the requests went anywhere (404s on the others)
-    until the next round."""
+@pytest.mark.parametrize(
+    ("mode", "body_mode"),
+    [("override-host", "buffered"), ("original-dst", "full_duplex_streamed")],
+)
+def test_an_adapter_loaded_at_run_time_is_routed_to_its_server_from_its_first_request(
+    mode: str, body_mode: str
+):
+    """LoRA adapters loaded on one replica each (vLLM's /v1/load_lora_adapter): an
+    adapter's first request names a model no list read names, so the router reads every
+    list again and the request waits for that read (models.unknown_wait_seconds). With the
+    lists' rounds 60 s apart, only that read can teach it where the adapter is: every
+    request, the first included, must reach the replica that loaded it (before, the first
+    ones went by their prefix to any replica, the others answering 404)."""
     with Stack() as stack:
         members = stack.start_replicas(3, [*FAST, "--model", "base"])
         routed = start_routed_stack(
-            stack,
-            "override-host",
-            "buffered",
-            members,
-            ["--set", "models.interval_seconds=60"],
+            stack, mode, body_mode, members, ["--set", "models.interval_seconds=60"]
         )
         admin = stack.router_admin_ports["router"]
         deadline = time.monotonic() + 10
         while len(models_known(admin)) < 3:  # every list read once
             assert time.monotonic() < deadline, models_known(admin)
             time.sleep(0.2)
-        body = json.dumps({"lora_name": "sql-lora", "lora_path": "/adapters/sql"}).encode()
-        load = urllib.request.Request(f"http://{members[2]}/v1/load_lora_adapter", data=body)
-        with urllib.request.urlopen(load, timeout=5) as response:
-            assert response.status == 200
-        statuses = []
-        deadline = time.monotonic() + 10
-        while len(statuses) < 8 or statuses[-8:] != [(200, "replica-3")] * 8:
-            assert time.monotonic() < deadline, statuses
-            response = routed.send(_chat("sql-lora", f"question {len(statuses)} " * 20))
-            statuses.append((response.status, response.replica))
-            time.sleep(0.05)
+        for k, member in enumerate(members):
+            if k:
+                time.sleep(1.1)  # (another name had the lists read within a second)
+            name = f"sql-lora-{k}"
+            body = json.dumps({"lora_name": name, "lora_path": f"/adapters/{k}"}).encode()
+            load = urllib.request.Request(f"http://{member}/v1/load_lora_adapter", data=body)
+            with urllib.request.urlopen(load, timeout=5) as response:
+                assert response.status == 200
+            statuses = []
+            for j in range(4):
+                response = routed.send(_chat(name, f"question {k} {j} " * 20))
+                statuses.append((response.status, response.replica))
+            assert statuses == [(200, f"replica-{k + 1}")] * 4, (name, statuses)
         deadline = time.monotonic() + 5
-        while (members[2], "sql-lora") not in models_known(admin):  # (gauges: every second)
-            assert time.monotonic() < deadline, models_known(admin)
+        while not all((m, f"sql-lora-{k}") in models_known(admin) for k, m in enumerate(members)):
+            assert time.monotonic() < deadline, models_known(admin)  # (gauges: every second)
             time.sleep(0.2)
-        print(f"requests for the adapter until it was routed: {len(statuses) - 8}: {statuses}")
