@@ -62,7 +62,7 @@ class RouterMetrics:
             "prefix_router_model_list_wait_seconds",
             "Time a request naming a model no list named waited for the model lists read "
             "again (models.unknown_wait_seconds), by how it ended: listed (a list names it "
-            "now: an adapter loaded at run time), not_listed, timeout",
+            "now: an adapter loaded at run time), not_listed, timeout, cancelled (the stream ended)",
             ("result",),
             buckets=(1e-3, 5e-3, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0),
             registry=registry,

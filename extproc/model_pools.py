@@ -43,6 +43,7 @@ class ModelPools:
         self._state = np.zeros(0, dtype=np.int8)
         self._models: list[frozenset[str]] = []
         self._fixed: list[bool] = []  # configured: a model list read does not change it
+        self._lists_read = False  # some endpoint's models come from its list
         self._masks: dict[str, np.ndarray] = {}
         self._any = np.zeros(0, dtype=bool)  # sent any model (unreadable list)
         self._open = np.zeros(0, dtype=bool)  # unreadable or not asked yet
@@ -88,6 +89,7 @@ class ModelPools:
         self._addresses = list(addresses)
         self._state, self._models = state, models
         self._fixed = [bool(names) for names in configured]
+        self._lists_read = not all(self._fixed)
         self._rebuild()
         served = set(self._masks)
         self._departed_models = {}
@@ -153,9 +155,10 @@ class ModelPools:
 
     def unlisted(self, model: str, now: float) -> bool:
         """Whether ``model`` is named by no list read while some list is known (not when the
-        request names none, nor for a model whose servers all left lately): its request
-        may wait for the lists read again (``ModelLister.read_again_for``)."""
-        if not model or self._pools == 0 or model in self._masks:
+        request names none, nor for a model whose servers all left lately, nor where every
+        endpoint's models are configured): its request may wait for the lists read again
+        (``ModelLister.read_again_for``)."""
+        if not model or self._pools == 0 or model in self._masks or not self._lists_read:
             return False
         left = self._departed_models.get(model)
         return left is None or now - left >= REMEMBER_SECONDS

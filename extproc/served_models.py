@@ -21,6 +21,7 @@ import aiohttp
 import orjson
 
 from .config import ConfigError, ModelsConfig
+from .model_pools import MAX_PENDING_UNKNOWN
 from .poller import EndpointPoller, fetch_parsed
 
 log = logging.getLogger(__name__)
@@ -91,13 +92,10 @@ class ModelLister(EndpointPoller["frozenset[str] | None"]):
         # future its requests wait on: done once a list names it, or every list answered.
         self._reading: asyncio.Task[None] | None = None
         self._reading_for: dict[str, asyncio.Future[None]] = {}
+        self._stopping = False
         self._headers = auth_headers(config) if config.enabled else {}
         self._on_models = on_models
         self.latest: dict[str, frozenset[str] | None] = {}
-
-    def start(self) -> None:
-        if self.config.enabled:
-            super().start()
 
     def wants_all(self) -> bool:
         """A request named a model no list names (an adapter loaded since the last read,
@@ -115,11 +113,7 @@ class ModelLister(EndpointPoller["frozenset[str] | None"]):
         }
         if not fresh:
             return False
-        if len(self._asked) >= MAX_MODELS:
-            self._asked = {m: t for m, t in self._asked.items() if now - t < UNKNOWN_MODEL_SECONDS}
-        for model in fresh:
-            self._asked[model] = now
-        self._read_all_at = now
+        self._note_asked(fresh, now)
         log.info(
             "models %s are in no list read: reading every endpoint's list again", sorted(fresh)
         )
@@ -132,37 +126,51 @@ class ModelLister(EndpointPoller["frozenset[str] | None"]):
         once every list answered. So a just-loaded adapter's first request goes to its
         server, not by its prefix to one that answers 404.
 
-        None (no wait, the request is routed as it is) when the lists are not being read
-        (disabled, or stopped), when this name had them read within UNKNOWN_MODEL_SECONDS
-        and no read for it is under way (TGI's "tgi", a typo: one request in that time
-        waits), or when another name had them read less than a second ago (this one's read
-        comes at the next check, ``wants_all``). A name asked while a read for another
-        is under way waits for that read's end, and is read again later if still unknown.
+        None (no wait: the request is routed as it is) when the lists are not being read
+        (disabled, or stopping); when this name had them read within UNKNOWN_MODEL_SECONDS
+        and no read for it is under way (TGI's "tgi", a typo: the requests of one read
+        wait, then none for that time); when another name had them read less than a
+        second ago and that read is over (this one's comes at the next check,
+        ``wants_all``); or when MAX_PENDING_UNKNOWN names wait already. A name asked while
+        a read started for another is under way waits for that read, and if it did not
+        list the name, for one more right after it (that read may have asked the name's
+        server before it loaded the adapter).
         """
         session = self.session
-        if session is None or session.closed:
+        if self._stopping or session is None or session.closed:
             return None
         waiting = self._reading_for.get(model)
         if waiting is not None:
             return waiting
-        loop = asyncio.get_running_loop()
-        if self._reading is not None:  # started for another name, before this request
-            waiting = self._reading_for[model] = loop.create_future()
-            return waiting
         now = time.monotonic()
         if now - self._asked.get(model, -math.inf) < UNKNOWN_MODEL_SECONDS:
             return None
+        loop = asyncio.get_running_loop()
+        if self._reading is not None:  # started for another name, before this request
+            if len(self._reading_for) >= MAX_PENDING_UNKNOWN:
+                return None
+            waiting = self._reading_for[model] = loop.create_future()
+            return waiting
         if now - self._read_all_at < 1.0:
             return None
-        if len(self._asked) >= MAX_MODELS:
-            self._asked = {m: t for m, t in self._asked.items() if now - t < UNKNOWN_MODEL_SECONDS}
-        self._asked[model] = self._read_all_at = now
+        self._note_asked({model}, now)
         log.info("model %r is in no list read: reading every endpoint's list again", model)
         waiting = self._reading_for[model] = loop.create_future()
-        self._reading = loop.create_task(self._read_every_list(session), name=self.task_name)
+        self._reading = loop.create_task(self._read_every_list(session, model), name=self.task_name)
         return waiting
 
-    async def _read_every_list(self, session: aiohttp.ClientSession) -> None:
+    def _note_asked(self, models: set[str], now: float) -> None:
+        if len(self._asked) >= MAX_MODELS:
+            self._asked = {m: t for m, t in self._asked.items() if now - t < UNKNOWN_MODEL_SECONDS}
+        for model in models:
+            self._asked[model] = now
+        self._read_all_at = now
+
+    async def _read_every_list(self, session: aiohttp.ClientSession, started_for: str) -> None:
+        """Every list read for ``started_for`` (and the names that joined meanwhile; those
+        it did not list get one more read), each waiting request let go as soon as a list
+        names its model, the rest at the end."""
+
         async def read(address: str) -> None:
             models = await self.poll(session, address)
             try:
@@ -176,19 +184,33 @@ class ModelLister(EndpointPoller["frozenset[str] | None"]):
 
         try:
             await asyncio.gather(*(read(a) for a in self._addresses()))
+            joined = {m for m, w in self._reading_for.items() if not w.done()} - {started_for}
+            if joined:
+                self._note_asked(joined, time.monotonic())
+                await asyncio.gather(*(read(a) for a in self._addresses()))
         finally:
-            for waiting in self._reading_for.values():
-                if not waiting.done():
-                    waiting.set_result(None)
-            self._reading_for = {}
-            self._reading = None
+            self._release_waiting()
+
+    def _release_waiting(self) -> None:
+        for waiting in self._reading_for.values():
+            if not waiting.done():
+                waiting.set_result(None)
+        self._reading_for = {}
+        self._reading = None
+
+    def start(self) -> None:
+        self._stopping = False
+        if self.config.enabled:
+            super().start()
 
     async def stop(self) -> None:
+        self._stopping = True  # (no read starts now: the session is about to close)
         reading = self._reading
         if reading is not None:
             reading.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await reading
+        self._release_waiting()  # (a read cancelled before it ran has not let them go)
         await super().stop()
 
     async def poll(self, session: aiohttp.ClientSession, address: str) -> frozenset[str] | None:

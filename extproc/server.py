@@ -275,7 +275,7 @@ class ExternalProcessorService(ext_grpc.ExternalProcessorServicer):
                 request = parse_request(ex.routable_api or "", body)
                 outcome.model = request.model
                 outcome.prompt_bytes = len(request.prompt)
-                ex.waiting = self._lists_read_for(request.model)
+                ex.waiting = self._lists_read_for(request.model, ex.subset)
                 if ex.waiting is not None:
                     ex.request = request
                     outcome.decide_seconds = time.perf_counter() - started
@@ -309,11 +309,16 @@ class ExternalProcessorService(ext_grpc.ExternalProcessorServicer):
         outcome.kind = "routed"
         return self._decision_parts(decision, ex.span)
 
-    def _lists_read_for(self, model: str) -> asyncio.Future[None] | None:
+    def _lists_read_for(
+        self, model: str, subset: frozenset[str] | None
+    ) -> asyncio.Future[None] | None:
         """What a request naming ``model`` waits on before it is routed: the model lists
-        read again, when no list names it (an adapter loaded at run time); else None."""
+        read again, when no list names it (an adapter loaded at run time); else None (also
+        when a gateway's subset hint leaves at most one endpoint: nothing to choose)."""
         read = self._read_lists_for
-        if read is None or not self.router.models.unlisted(model, self.router.clock()):
+        if read is None or (subset is not None and len(subset) <= 1):
+            return None
+        if not self.router.models.unlisted(model, self.router.clock()):
             return None
         return read(model)
 
@@ -323,8 +328,13 @@ class ExternalProcessorService(ext_grpc.ExternalProcessorServicer):
         assert waiting is not None and resume is not None
         ex.waiting = ex.resume = None
         started = time.perf_counter()
-        done, _ = await asyncio.wait({waiting}, timeout=self._list_wait_seconds)
         outcome = ex.outcome
+        try:
+            done, _ = await asyncio.wait({waiting}, timeout=self._list_wait_seconds)
+        except asyncio.CancelledError:  # Envoy ended the stream (the client left)
+            outcome.list_wait, outcome.detail = "cancelled", "cancelled_waiting_for_lists"
+            outcome.list_wait_seconds = time.perf_counter() - started
+            raise
         outcome.list_wait_seconds = time.perf_counter() - started
         if not done:
             outcome.list_wait = "timeout"

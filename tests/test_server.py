@@ -944,3 +944,90 @@ async def test_a_scrape_of_an_endpoint_removed_meanwhile_makes_no_series(service
     service.scraper.record(gone, EndpointSignals(up=True, waiting=3, kv_usage=0.5))
     assert service.metrics.metrics_up._metrics.get((gone,)) is None
     assert service.metrics.queue_depth._metrics.get((gone,)) is None
+
+
+def _lists_known_without(service, model: str) -> None:
+    """Every endpoint's model list read, none naming ``model`` (an adapter not loaded)."""
+    for address in ENDPOINTS.split(","):
+        service.router.observe_models(address, frozenset({"m"}))
+    assert service.router.models.unlisted(model, service.router.clock())
+
+
+@pytest.fixture
+async def listless_service():
+    """The model lists not read by the service: a test tells the router what they name."""
+    async with started_service(**{"models.enabled": False}) as svc:
+        yield svc
+
+
+async def test_a_full_duplex_body_waits_for_the_model_lists_then_is_decided(listless_service):
+    """A full-duplex body naming a model no list names, ended by its last chunk: nothing
+    is answered (the headers held, the body held and counted) until the lists are read
+    again; then the headers go with the decision, to the endpoint now listing the model,
+    and the body is echoed whole. (Buffered, and full duplex ended by trailers:
+    tests/test_model_pools.py and tests/integration/test_model_pools.py.)"""
+    import asyncio
+
+    service = listless_service
+
+    _lists_known_without(service, "new-lora")
+    lists_read: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+    asked: list[str] = []
+    service.service._read_lists_for = lambda model: asked.append(model) or lists_read
+    body = orjson.dumps({"model": "new-lora", "messages": [{"role": "user", "content": "q" * 99}]})
+    call = service.stub.Process()
+    await call.write(headers_msg(full_duplex=True))
+    await call.write(body_msg(body, eos=True))
+    await asyncio.sleep(0.1)
+    assert asked == ["new-lora"] and service.service.held_body_bytes == len(body)
+    service.router.observe_models("127.0.0.1:8002", frozenset({"m", "new-lora"}))
+    lists_read.set_result(None)
+    first, echo = await call.read(), await call.read()
+    assert destination(first)[0].split(",")[0] == "127.0.0.1:8002"
+    echoed = echo.request_body.response.body_mutation.streamed_response
+    assert echoed.body == body and echoed.end_of_stream
+    assert service.service.held_body_bytes == 0
+    await call.done_writing()
+    assert await call.read() == grpc.aio.EOF
+    await asyncio.sleep(0.05)
+    record = service.decisions.recent(1)[0]
+    assert record["list_wait"] == "listed" and record["outcome"] == "routed", record
+
+
+async def test_a_stream_ended_while_waiting_for_the_lists_gives_its_held_bytes_back(
+    listless_service,
+):
+    """Envoy ends the stream (the client left) while its request waits for the lists: the
+    held body's bytes come back and the record says so; a gateway's subset hint of one
+    endpoint leaves nothing to choose, and does not wait."""
+    import asyncio
+
+    service = listless_service
+
+    _lists_known_without(service, "new-lora")
+    never: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+    service.service._read_lists_for = lambda model: never
+    body = orjson.dumps({"model": "new-lora", "messages": [{"role": "user", "content": "q" * 99}]})
+    call = service.stub.Process()
+    await call.write(headers_msg(full_duplex=True))
+    await call.write(body_msg(body, eos=True))
+    await asyncio.sleep(0.1)
+    assert service.service.held_body_bytes == len(body)
+    call.cancel()
+    for _ in range(50):
+        if service.service.held_body_bytes == 0 and service.decisions.recent(1):
+            break
+        await asyncio.sleep(0.02)
+    assert service.service.held_body_bytes == 0
+    record = service.decisions.recent(1)[0]
+    assert record["list_wait"] == "cancelled" and "decision" not in record, record
+    assert not never.done()  # (the shared read is not cancelled with one stream)
+    hint = ep.ProcessingRequest()
+    hint.CopyFrom(headers_msg())
+    subset = struct_pb2.Struct()
+    subset.update({"x-gateway-destination-endpoint-subset": ["127.0.0.1:8003"]})
+    hint.metadata_context.filter_metadata["envoy.lb.subset_hint"].CopyFrom(subset)
+    responses = await asyncio.wait_for(exchange(service.stub, [hint, body_msg(body)]), 5)
+    assert destination(responses[1])[0].startswith("127.0.0.1:8003")
+    await asyncio.sleep(0.05)
+    assert "list_wait" not in service.decisions.recent(1)[0]

@@ -616,7 +616,15 @@ def test_an_adapter_vllm_loads_at_run_time_is_routed_to_its_server(
         lora = served.address
         with Stack() as stack:
             router, _ = stack.start_router(
-                [base, lora], extra_args=["--set", "models.interval_seconds=3600"], ready=True
+                [base, lora],
+                # (the longest wait the configs allow: a busy shared machine answers slowly)
+                extra_args=[
+                    "--set",
+                    "models.interval_seconds=3600",
+                    "--set",
+                    "models.unknown_wait_seconds=0.9",
+                ],
+                ready=True,
             )
             envoy, _ = stack.start_proxy("override-host", [base, lora], router)
             admin = stack.router_admin_ports["router"]

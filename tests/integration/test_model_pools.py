@@ -85,7 +85,12 @@ def test_an_adapter_loaded_at_run_time_is_routed_to_its_server_from_its_first_re
     with Stack() as stack:
         members = stack.start_replicas(3, [*FAST, "--model", "base"])
         routed = start_routed_stack(
-            stack, mode, body_mode, members, ["--set", "models.interval_seconds=60"]
+            stack,
+            mode,
+            body_mode,
+            members,
+            # (the longest wait the configs allow: a busy shared machine answers slowly)
+            ["--set", "models.interval_seconds=60", "--set", "models.unknown_wait_seconds=0.9"],
         )
         admin = stack.router_admin_ports["router"]
         deadline = time.monotonic() + 10
