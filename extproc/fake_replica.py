@@ -6,7 +6,8 @@ faster. This server reproduces just that behaviour, with vLLM's API and metric n
 * OpenAI-compatible ``/v1/chat/completions`` and ``/v1/completions`` (streaming SSE and
   plain JSON), ``usage.prompt_tokens_details.cached_tokens``, ``/v1/models``, ``/health``,
   ``POST /reset_prefix_cache``, ``POST /v1/load_lora_adapter`` (the adapter's name is
-  listed and served from then on) and ``/metrics`` with vLLM's ``vllm:*`` series.
+  listed and served from then on), ``POST /v1/unload_lora_adapter`` (no longer) and
+  ``/metrics`` with vLLM's ``vllm:*`` series.
 * A block-level prefix cache: the prompt is rendered with a toy chat template, "tokenized"
   as ``bytes_per_token`` UTF-8 bytes per token, cut into full blocks of ``block_tokens``
   tokens and chain-hashed with blake2b. It deliberately shares no code with the router's
@@ -591,6 +592,15 @@ def build_app(settings: ReplicaSettings) -> web.Application:
         replica.state.adapters[name] = path
         return web.Response(text=f"Success: LoRA adapter '{name}' added successfully.")
 
+    async def unload_lora_adapter(request: web.Request) -> web.Response:
+        """As vLLM's: the adapter is no longer listed; its requests get the 404."""
+        body = orjson.loads(await request.read() or b"{}")
+        name = body.get("lora_name")
+        if not isinstance(name, str) or name not in replica.state.adapters:
+            raise ApiError(404, f"The lora adapter '{name}' cannot be found.", "NotFoundError")
+        del replica.state.adapters[name]
+        return web.Response(text=f"Success: LoRA adapter '{name}' removed successfully.")
+
     async def reset_prefix_cache(_: web.Request) -> web.Response:
         replica.state.cache.clear()
         return web.Response()
@@ -620,6 +630,7 @@ def build_app(settings: ReplicaSettings) -> web.Application:
     app.router.add_get("/health", health)
     app.router.add_get("/v1/models", models)
     app.router.add_post("/v1/load_lora_adapter", load_lora_adapter)
+    app.router.add_post("/v1/unload_lora_adapter", unload_lora_adapter)
     app.router.add_post("/reset_prefix_cache", reset_prefix_cache)
     app.router.add_get("/metrics", metrics)
     return app

@@ -765,6 +765,11 @@ class Router:
         if i is not None and self.models.observe(i, models):
             log.info("endpoint %s: models %s", address, sorted(models or ()) or "any")
 
+    def lists_model(self, address: str, model: str) -> bool:
+        """Whether the endpoint's models as known name ``model``."""
+        i = self._position.get(address)
+        return i is not None and bool(model) and model in (self.models.served(i) or ())
+
     def served_models(self) -> dict[str, frozenset[str] | None]:
         """Each endpoint's models as known (None: not known; it may be sent any)."""
         return {a: self.models.served(i) for i, a in enumerate(self._addresses)}

@@ -290,6 +290,7 @@ class RouterService:
             probes=self.config.health.enabled,
             read_lists_for=self.model_lister.read_again_for if self.config.models.enabled else None,
             list_wait_seconds=self.config.models.unknown_wait_seconds,
+            read_list_of=self.model_lister.unpolled if self.config.models.enabled else None,
         )
         self.service = service
         ext_grpc.add_ExternalProcessorServicer_to_server(service, self.server)

@@ -202,6 +202,7 @@ class ExternalProcessorService(ext_grpc.ExternalProcessorServicer):
         probes: bool = True,
         read_lists_for: Callable[[str], asyncio.Future[None] | None] | None = None,
         list_wait_seconds: float = 0.0,
+        read_list_of: Callable[[str], None] | None = None,
     ) -> None:
         """``progress`` is called after every message handled: the worker's heartbeat
         (serve.py), so that a loop busy with long requests is not taken for hung.
@@ -209,10 +210,13 @@ class ExternalProcessorService(ext_grpc.ExternalProcessorServicer):
         Envoy reports of a failed attempt take an endpoint out: a passing probe brings it
         back, and without probes nothing would. ``read_lists_for(model)``: the model lists
         read again for a model none names, what to wait on (``ModelLister.read_again_for``);
-        a request waits for it up to ``list_wait_seconds``."""
+        a request waits for it up to ``list_wait_seconds``. ``read_list_of(address)``: that
+        endpoint's model list read again at once (``ModelLister.unpolled``), after it
+        answered 404 to a model its list named (an adapter unloaded since)."""
         self.router = router
         self._read_lists_for = read_lists_for if list_wait_seconds > 0 else None
         self._list_wait_seconds = list_wait_seconds
+        self._read_list_of = read_list_of
         self.config = config
         self._takes_out = probes
         self.observer = observer
@@ -547,6 +551,8 @@ class ExternalProcessorService(ext_grpc.ExternalProcessorServicer):
         if decision is not None:
             if served:
                 self.router.served(decision, served)
+                if ex.outcome.status == "404":
+                    self._not_found(served, ex.outcome.model)
             ex.event_stream = _is_event_stream(ex.outcome.status, headers)
             if not ex.event_stream:
                 self.router.prefill_done(decision)
@@ -566,6 +572,17 @@ class ExternalProcessorService(ext_grpc.ExternalProcessorServicer):
             for address in self._failed_attempts(decision, served, attributes):
                 if not self.router.probe_passed_since(address, ex.decided_at):
                     self._take_out(address)
+
+    def _not_found(self, address: str, model: str) -> None:
+        """A 404 from an endpoint whose list named the request's model (vLLM's answer to a
+        model it does not serve: an adapter unloaded since the last read): its list is
+        read again at once, so that the next requests go to the servers that still have
+        it, not until the next round (``models.interval_seconds``)."""
+        if self._read_list_of is not None and self.router.lists_model(address, model):
+            log.info(
+                "%s answered 404 for %r, which its list named: reading it again", address, model
+            )
+            self._read_list_of(address)
 
     def _take_out(self, address: str) -> None:
         """Out until its next passing probe, unless that would leave fewer than half of the

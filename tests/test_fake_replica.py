@@ -341,6 +341,28 @@ async def test_models_health_and_multimodal_text(start: Start, session) -> None:
     assert body["usage"]["prompt_tokens"] == template_tokens("look at this")
 
 
+async def test_lora_adapters_load_and_unload_as_vllms(start: Start, session) -> None:
+    """vLLM's run-time adapter API (VLLM_ALLOW_RUNTIME_LORA_UPDATING): a loaded adapter is
+    listed and served; unloaded, it is not, its requests and a second unload get 404s."""
+    url, _ = await start(model="m2")
+
+    async def listed() -> list[str]:
+        async with session.get(url + "/v1/models") as response:
+            return [m["id"] for m in (await response.json())["data"]]
+
+    adapter = {"lora_name": "x", "lora_path": "/adapters/x"}
+    async with session.post(url + "/v1/load_lora_adapter", json=adapter) as response:
+        assert response.status == 200
+    assert await listed() == ["m2", "x"]
+    assert (await post(session, url + CHAT, {**chat("hi"), "model": "x"}))[0] == 200
+    for expected in (200, 404):
+        async with session.post(url + "/v1/unload_lora_adapter", json={"lora_name": "x"}) as r:
+            assert r.status == expected, await r.text()
+    assert await listed() == ["m2"]
+    status, body = await post(session, url + CHAT, {**chat("hi"), "model": "x"})
+    assert status == 404 and body["error"]["type"] == "NotFoundError", body
+
+
 async def test_replicas_are_independent(start: Start, session) -> None:
     (url1, app1), (url2, app2) = await start(), await start(name="r2")
     await post(session, url1 + COMPLETIONS, {"prompt": "q" * 300})

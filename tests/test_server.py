@@ -1031,3 +1031,38 @@ async def test_a_stream_ended_while_waiting_for_the_lists_gives_its_held_bytes_b
     assert destination(responses[1])[0].startswith("127.0.0.1:8003")
     await asyncio.sleep(0.05)
     assert "list_wait" not in service.decisions.recent(1)[0]
+
+
+async def test_a_404_for_a_model_its_list_named_has_that_list_read_again(listless_service):
+    """vLLM answers 404 to a model it does not serve: from an endpoint whose list named
+    the request's model (an adapter unloaded since the last read), that endpoint's list is
+    read again at once; not for a 200, nor a model its list did not name."""
+    service = listless_service
+    for address in ENDPOINTS.split(","):
+        service.router.observe_models(address, frozenset({"m", "x-lora"}))
+    read_again: list[str] = []
+    service.service._read_list_of = read_again.append
+
+    async def answered(model: str, status: str) -> str:
+        body = orjson.dumps({"model": model, "messages": [{"role": "user", "content": "q" * 99}]})
+        call = service.stub.Process()
+        await call.write(headers_msg())
+        await call.read()
+        await call.write(body_msg(body))
+        primary = destination(await call.read())[0].split(",")[0]
+        await call.write(response_headers_msg(primary, status=status))
+        await call.read()
+        await call.done_writing()
+        assert await call.read() == grpc.aio.EOF
+        return primary
+
+    served = await answered("x-lora", "404")
+    assert read_again == [served]
+    await answered("x-lora", "200")
+    service.router.observe_models(served, frozenset({"m"}))  # (read: no longer listed)
+    served_m = await answered("m", "404")  # (its list names "m": a 404 for it reads too)
+    assert read_again == [served, served_m]
+    for address in ENDPOINTS.split(","):
+        service.router.observe_models(address, frozenset({"m"}))
+    await answered("y-lora", "404")  # (no list names it: nothing to read again)
+    assert read_again == [served, served_m]

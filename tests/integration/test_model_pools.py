@@ -25,6 +25,12 @@ def _chat(model: str, text: str) -> bytes:
     return json.dumps(body).encode()
 
 
+def _post_json(address: str, path: str, body: dict) -> int:
+    request = urllib.request.Request(f"http://{address}{path}", data=json.dumps(body).encode())
+    with urllib.request.urlopen(request, timeout=5) as response:
+        return response.status
+
+
 @pytest.mark.parametrize(
     ("mode", "body_mode"),
     [("override-host", "buffered"), ("original-dst", "full_duplex_streamed")],
@@ -101,10 +107,8 @@ def test_an_adapter_loaded_at_run_time_is_routed_to_its_server_from_its_first_re
             if k:
                 time.sleep(1.1)  # (another name had the lists read within a second)
             name = f"sql-lora-{k}"
-            body = json.dumps({"lora_name": name, "lora_path": f"/adapters/{k}"}).encode()
-            load = urllib.request.Request(f"http://{member}/v1/load_lora_adapter", data=body)
-            with urllib.request.urlopen(load, timeout=5) as response:
-                assert response.status == 200
+            load = {"lora_name": name, "lora_path": f"/adapters/{k}"}
+            assert _post_json(member, "/v1/load_lora_adapter", load) == 200
             statuses = []
             for j in range(4):
                 response = routed.send(_chat(name, f"question {k} {j} " * 20))
@@ -114,3 +118,42 @@ def test_an_adapter_loaded_at_run_time_is_routed_to_its_server_from_its_first_re
         while not all((m, f"sql-lora-{k}") in models_known(admin) for k, m in enumerate(members)):
             assert time.monotonic() < deadline, models_known(admin)  # (gauges: every second)
             time.sleep(0.2)
+
+
+def test_an_adapter_unloaded_from_one_server_goes_to_the_other_after_one_404():
+    """An adapter both stand-in replicas serve is unloaded from one (vLLM's
+    /v1/unload_lora_adapter); the lists' rounds are 60 s apart. The first request routed
+    there gets its 404, which has the router read that replica's list again at once: the
+    requests after it go to the replica that still serves the adapter (before, about half
+    went on to the 404 until the next round)."""
+    with Stack() as stack:
+        members = stack.start_replicas(2, [*FAST, "--model", "base"])
+        for member in members:
+            assert (
+                _post_json(member, "/v1/load_lora_adapter", {"lora_name": "x", "lora_path": "/x"})
+                == 200
+            )
+        routed = start_routed_stack(
+            stack,
+            "override-host",
+            "buffered",
+            members,
+            ["--set", "models.interval_seconds=60"],
+        )
+        admin = stack.router_admin_ports["router"]
+        deadline = time.monotonic() + 10
+        while len(models_known(admin)) < 4:  # both lists read, each naming base and x
+            assert time.monotonic() < deadline, models_known(admin)
+            time.sleep(0.2)
+        assert _post_json(members[0], "/v1/unload_lora_adapter", {"lora_name": "x"}) == 200
+        before = []
+        while (404, "replica-1") not in before:
+            assert len(before) < 40, before
+            response = routed.send(_chat("x", f"before {len(before)} " * 20))
+            before.append((response.status, response.replica))
+        time.sleep(0.5)  # (the list read again: within ~0.1 s)
+        after = []
+        for k in range(12):
+            response = routed.send(_chat("x", f"after {k} " * 20))
+            after.append((response.status, response.replica))
+        assert after == [(200, "replica-2")] * 12, (before, after)
