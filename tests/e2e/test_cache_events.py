@@ -604,8 +604,9 @@ def test_an_adapter_vllm_loads_at_run_time_is_routed_to_its_server(
     included, reaches the server that loaded it (before, the first ones, while both lists
     named one model, went by their prefix to either server, the other answering 404);
     the base model's still route. Unloaded, the adapter's request gets vLLM's 404, a
-    clear answer, from the server that listed it. (The stand-in replica's copy of the
-    API: tests/integration/test_model_pools.py.)"""
+    clear answer, from the server that listed it, and that 404 has its list read again
+    (the adapter no longer listed). (The stand-in replica's copy of the API:
+    tests/integration/test_model_pools.py.)"""
     base = vllm_with_events.address
     model_dir = vllm_with_events.model_dir
     adapter = lab.lora_adapter(lab.ensure_vllm_env(), model_dir, tmp_path / "lora")
@@ -646,6 +647,9 @@ def test_an_adapter_vllm_loads_at_run_time_is_routed_to_its_server(
             gone = _sent_through(envoy, admin, name, 200)
             print(f"after it was unloaded: {gone}")
             assert gone == (404, "routed", lora, ""), gone
+            # That 404 (vLLM's to a model its list named) has its list read again: with the
+            # rounds an hour apart, only that read can drop the adapter within the test.
+            assert wait_until(lambda: (lora, name) not in models_known(admin), 10)
 
 
 def _sent_through(
