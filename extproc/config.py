@@ -606,7 +606,7 @@ class ModelsConfig(_Strict):
         description="a request naming a model no list names waits up to this long for the "
         "lists read again at once (an adapter loaded at run time then goes to its server from "
         "its first request); 0: it does not wait. Below Envoy's ext_proc message_timeout "
-        "(1 s in this project's configs)",
+        "(1 s in this project's configs; a lower --message-timeout-ms needs a lower wait)",
     )
     api_key_env: str = Field(
         default="",

@@ -34,6 +34,9 @@ MAX_MODELS = 4096
 NEW_ENDPOINT_SECONDS = 0.1
 # A model no list names has every list read again, for one name at most this often.
 UNKNOWN_MODEL_SECONDS = 10.0
+# Reads of every list after the one a request started, for the names that joined it (each
+# such read also serves the names that joined the one before; the last one's are let go).
+FOLLOW_UP_READS = 2
 # A model list page larger than this is not read.
 MAX_LIST_BYTES = 4 * 2**20
 
@@ -64,6 +67,11 @@ def auth_headers(config: ModelsConfig, environ: Mapping[str, str] = os.environ) 
             f"config field models.api_key_env: environment variable {config.api_key_env} is not set"
         )
     return {"Authorization": f"Bearer {key}"}
+
+
+def _log_failure(task: asyncio.Task[None]) -> None:
+    if not task.cancelled() and task.exception() is not None:
+        log.error("reading the model lists again failed", exc_info=task.exception())
 
 
 class ModelLister(EndpointPoller["frozenset[str] | None"]):
@@ -134,7 +142,8 @@ class ModelLister(EndpointPoller["frozenset[str] | None"]):
         ``wants_all``); or when MAX_PENDING_UNKNOWN names wait already. A name asked while
         a read started for another is under way waits for that read, and if it did not
         list the name, for one more right after it (that read may have asked the name's
-        server before it loaded the adapter).
+        server before it loaded the adapter): FOLLOW_UP_READS at most, one asked during
+        the last is let go at its end (and read at the next check).
         """
         session = self.session
         if self._stopping or session is None or session.closed:
@@ -157,6 +166,7 @@ class ModelLister(EndpointPoller["frozenset[str] | None"]):
         log.info("model %r is in no list read: reading every endpoint's list again", model)
         waiting = self._reading_for[model] = loop.create_future()
         self._reading = loop.create_task(self._read_every_list(session, model), name=self.task_name)
+        self._reading.add_done_callback(_log_failure)
         return waiting
 
     def _note_asked(self, models: set[str], now: float) -> None:
@@ -184,17 +194,28 @@ class ModelLister(EndpointPoller["frozenset[str] | None"]):
 
         try:
             await asyncio.gather(*(read(a) for a in self._addresses()))
-            joined = {m for m, w in self._reading_for.items() if not w.done()} - {started_for}
-            if joined:
+            read_for = {started_for}
+            self._let_go(read_for)
+            for _ in range(FOLLOW_UP_READS):
+                joined = {m for m, w in self._reading_for.items() if not w.done()} - read_for
+                if not joined:
+                    break
                 self._note_asked(joined, time.monotonic())
+                read_for |= joined
                 await asyncio.gather(*(read(a) for a in self._addresses()))
+                self._let_go(joined)
         finally:
             self._release_waiting()
 
-    def _release_waiting(self) -> None:
-        for waiting in self._reading_for.values():
-            if not waiting.done():
+    def _let_go(self, models: set[str]) -> None:
+        """The requests for ``models`` go on: a read for them is over (none named them)."""
+        for model in models:
+            waiting = self._reading_for.get(model)
+            if waiting is not None and not waiting.done():
                 waiting.set_result(None)
+
+    def _release_waiting(self) -> None:
+        self._let_go(set(self._reading_for))
         self._reading_for = {}
         self._reading = None
 

@@ -217,6 +217,7 @@ class ExternalProcessorService(ext_grpc.ExternalProcessorServicer):
         self._read_lists_for = read_lists_for if list_wait_seconds > 0 else None
         self._list_wait_seconds = list_wait_seconds
         self._read_list_of = read_list_of
+        self._list_read_after_404: dict[str, float] = {}  # endpoint -> when (router clock)
         self.config = config
         self._takes_out = probes
         self.observer = observer
@@ -577,8 +578,16 @@ class ExternalProcessorService(ext_grpc.ExternalProcessorServicer):
         """A 404 from an endpoint whose list named the request's model (vLLM's answer to a
         model it does not serve: an adapter unloaded since the last read): its list is
         read again at once, so that the next requests go to the servers that still have
-        it, not until the next round (``models.interval_seconds``)."""
-        if self._read_list_of is not None and self.router.lists_model(address, model):
+        it, not until the next round (``models.interval_seconds``). At most once a second
+        per endpoint (a server that answers 404 to a model its list names, all the time,
+        is not read ten times a second)."""
+        if self._read_list_of is None or not self.router.lists_model(address, model):
+            return
+        now = self.router.clock()
+        if now - self._list_read_after_404.get(address, -math.inf) >= 1.0:
+            if len(self._list_read_after_404) > 4 * len(self.router.endpoints):
+                self._list_read_after_404.clear()  # (endpoints that left)
+            self._list_read_after_404[address] = now
             log.info(
                 "%s answered 404 for %r, which its list named: reading it again", address, model
             )

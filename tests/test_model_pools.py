@@ -492,8 +492,8 @@ async def test_the_first_request_for_an_adapter_loaded_at_run_time_goes_to_its_s
     """Two stand-in replicas list the same model, read once (the rounds an hour apart);
     then each loads adapters at run time. Each adapter's first request names a model no
     list read names: it waits for every list read again, and goes to the server that loaded
-    it (before, it went by its prefix to either one, the other answering 404). A name
-    asked again within UNKNOWN_MODEL_SECONDS does not wait again."""
+    it (before, it went by its prefix to either one, the other answering 404). Once
+    listed, an adapter's requests do not wait."""
     from extproc.fake_replica import ReplicaSettings, start_replica
 
     runners, addresses = [], []
@@ -564,17 +564,19 @@ async def test_a_request_waits_for_the_lists_no_longer_than_the_bound_and_a_typo
 
 
 class _ScriptedLister(ModelLister):
-    """Lists from a dict: each read takes an endpoint's list as it is when asked, and
-    answers once ``gate`` is open (a read that asked before an adapter was loaded)."""
+    """Lists from a dict: each read of every list takes each one as it is when asked, and
+    answers once its own gate (``gates[k]`` for the k-th read) is open: a read that asked
+    before an adapter was loaded."""
 
-    def __init__(self, lists: dict[str, set[str]], gate: asyncio.Event) -> None:
+    def __init__(self, lists: dict[str, set[str]], gates: list[asyncio.Event]) -> None:
         super().__init__(load_config(None, {}, environ={}).models, lambda: list(lists), _ignore)
-        self.lists, self.gate, self.asked = lists, gate, 0
+        self.lists, self.gates, self.asked = lists, gates, 0
 
     async def poll(self, session, address):
         seen = frozenset(self.lists[address])
+        gate = self.gates[self.asked // len(self.lists)]
         self.asked += 1
-        await self.gate.wait()
+        await gate.wait()
         return seen
 
 
@@ -587,17 +589,18 @@ async def test_a_name_that_joins_a_read_under_way_gets_one_more_read_and_a_recen
 ):
     """A read of every list started for one adapter's request; a second adapter, loaded on
     B after that read asked B, has its request join the read: that read cannot list it,
-    so one more read follows before its wait ends. A name read within
-    UNKNOWN_MODEL_SECONDS does not wait, even while another name's read is under way."""
+    so one more read follows before its wait ends; a third, loaded while that one is under
+    way, gets a third read. A name read within UNKNOWN_MODEL_SECONDS does not wait, even
+    while another name's read is under way."""
     import aiohttp
 
     from extproc import served_models
 
     now = [1000.0]  # (the lister's clock only: the event loop's runs on)
     monkeypatch.setattr(served_models, "time", types.SimpleNamespace(monotonic=lambda: now[0]))
-    gate = asyncio.Event()
+    gates = [asyncio.Event() for _ in range(4)]
     a, b = A[0], B[0]
-    lister = _ScriptedLister({a: {"base"}, b: {"base"}}, gate)
+    lister = _ScriptedLister({a: {"base"}, b: {"base"}}, gates)
     async with aiohttp.ClientSession() as session:
         lister.session = session
         first = lister.read_again_for("x-lora")
@@ -606,12 +609,22 @@ async def test_a_name_that_joins_a_read_under_way_gets_one_more_read_and_a_recen
         lister.lists[b].add("y-lora")
         joined = lister.read_again_for("y-lora")
         assert joined is not None and lister.read_again_for("y-lora") is joined
-        gate.set()
-        await asyncio.wait_for(asyncio.gather(first, joined), 1)
-        assert lister.asked == 4 and "y-lora" in lister.latest[b]  # (the second read)
-        gate.clear()
+        gates[0].set()
+        await asyncio.wait_for(first, 1)
+        await asyncio.sleep(0.01)  # (the second read asked both lists)
+        assert lister.asked == 4 and not joined.done()
+        lister.lists[b].add("z-lora")
+        late = lister.read_again_for("z-lora")
+        gates[1].set()
+        await asyncio.wait_for(joined, 1)  # (the second read)
+        assert "y-lora" in lister.latest[b] and not late.done()
+        gates[2].set()
+        await asyncio.wait_for(late, 1)
+        assert lister.asked == 6 and "z-lora" in lister.latest[b]  # (the third read)
+        await asyncio.sleep(0.01)
+        assert lister._reading is None  # (over)
         now[0] += 2.0
-        third = lister.read_again_for("z-lora")  # (a read under way, for another name)
+        third = lister.read_again_for("u-lora")  # (a read under way, for another name)
         assert third is not None and not third.done()
         assert lister.read_again_for("x-lora") is None  # read 2 s ago: no wait
         assert lister.read_again_for("y-lora") is None
@@ -624,7 +637,7 @@ async def test_stopping_before_a_read_ran_lets_its_requests_go():
     the lister's stop lets the waiting requests go and forgets the read."""
     import aiohttp
 
-    lister = _ScriptedLister({A[0]: {"base"}}, asyncio.Event())
+    lister = _ScriptedLister({A[0]: {"base"}}, [asyncio.Event()])
     async with aiohttp.ClientSession() as session:
         lister.session = session
         waiting = lister.read_again_for("x-lora")

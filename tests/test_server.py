@@ -974,6 +974,7 @@ async def test_a_full_duplex_body_waits_for_the_model_lists_then_is_decided(list
     lists_read: asyncio.Future[None] = asyncio.get_running_loop().create_future()
     asked: list[str] = []
     service.service._read_lists_for = lambda model: asked.append(model) or lists_read
+    service.service._list_wait_seconds = 30.0  # (the test lets it go: no timing)
     body = orjson.dumps({"model": "new-lora", "messages": [{"role": "user", "content": "q" * 99}]})
     call = service.stub.Process()
     await call.write(headers_msg(full_duplex=True))
@@ -1007,6 +1008,7 @@ async def test_a_stream_ended_while_waiting_for_the_lists_gives_its_held_bytes_b
     _lists_known_without(service, "new-lora")
     never: asyncio.Future[None] = asyncio.get_running_loop().create_future()
     service.service._read_lists_for = lambda model: never
+    service.service._list_wait_seconds = 30.0  # (ended by the stream: no timing)
     body = orjson.dumps({"model": "new-lora", "messages": [{"role": "user", "content": "q" * 99}]})
     call = service.stub.Process()
     await call.write(headers_msg(full_duplex=True))
@@ -1036,33 +1038,35 @@ async def test_a_stream_ended_while_waiting_for_the_lists_gives_its_held_bytes_b
 async def test_a_404_for_a_model_its_list_named_has_that_list_read_again(listless_service):
     """vLLM answers 404 to a model it does not serve: from an endpoint whose list named
     the request's model (an adapter unloaded since the last read), that endpoint's list is
-    read again at once; not for a 200, nor a model its list did not name."""
+    read again at once, at most once a second per endpoint; not for a 200, nor a model no
+    list names."""
     service = listless_service
-    for address in ENDPOINTS.split(","):
+    first, second, third = ENDPOINTS.split(",")
+    for address in (first, second, third):
         service.router.observe_models(address, frozenset({"m", "x-lora"}))
     read_again: list[str] = []
     service.service._read_list_of = read_again.append
 
-    async def answered(model: str, status: str) -> str:
+    async def answered(model: str, status: str, served: str) -> None:
+        """A request for ``model``, answered ``status`` by ``served`` (Envoy's report)."""
         body = orjson.dumps({"model": model, "messages": [{"role": "user", "content": "q" * 99}]})
         call = service.stub.Process()
         await call.write(headers_msg())
         await call.read()
         await call.write(body_msg(body))
-        primary = destination(await call.read())[0].split(",")[0]
-        await call.write(response_headers_msg(primary, status=status))
+        assert destination(await call.read())[0]  # (routed)
+        await call.write(response_headers_msg(served, status=status))
         await call.read()
         await call.done_writing()
         assert await call.read() == grpc.aio.EOF
-        return primary
 
-    served = await answered("x-lora", "404")
-    assert read_again == [served]
-    await answered("x-lora", "200")
-    service.router.observe_models(served, frozenset({"m"}))  # (read: no longer listed)
-    served_m = await answered("m", "404")  # (its list names "m": a 404 for it reads too)
-    assert read_again == [served, served_m]
-    for address in ENDPOINTS.split(","):
+    await answered("x-lora", "404", first)
+    assert read_again == [first]
+    await answered("x-lora", "200", second)
+    await answered("x-lora", "404", first)  # (within a second of its last read)
+    await answered("m", "404", second)
+    assert read_again == [first, second]
+    for address in (first, second, third):
         service.router.observe_models(address, frozenset({"m"}))
-    await answered("y-lora", "404")  # (no list names it: nothing to read again)
-    assert read_again == [served, served_m]
+    await answered("y-lora", "404", third)  # (no list names it: nothing to read again)
+    assert read_again == [first, second]
