@@ -101,7 +101,7 @@ class Outcome:
     body_bytes: int = 0
     decide_seconds: float = 0.0
     # Its model was in no list read: how long it waited for the lists read again, and how
-    # that ended ("listed": a list names it now; "not_listed"; "timeout").
+    # that ended ("listed": a list names it now; "not_listed"; "timeout"; "cancelled").
     list_wait: str = ""
     list_wait_seconds: float = 0.0
     served: str = ""
