@@ -156,7 +156,7 @@ class EndpointPoller(Generic[Result]):
         self.forget(polled - current)
         self._polled = polled & current
 
-    async def _poll_and_record(self, session: aiohttp.ClientSession, address: str) -> None:
+    async def _poll_and_record(self, session: aiohttp.ClientSession, address: str) -> Result:
         result = await self.poll(session, address)
         try:
             self.record(address, result)
@@ -164,6 +164,7 @@ class EndpointPoller(Generic[Result]):
             # A fault in what a result feeds (an answer nobody foresaw) must not end the
             # polling of every endpoint, silently.
             log.exception("%s: recording %s's answer failed", self.task_name, address)
+        return result
 
     def forget(self, gone: set[str]) -> None:
         """Addresses no longer polled: what is kept per address goes (pod churn)."""

@@ -15,7 +15,7 @@ import logging
 import math
 import os
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 
 import aiohttp
 import orjson
@@ -182,15 +182,7 @@ class ModelLister(EndpointPoller["frozenset[str] | None"]):
         names its model, the rest at the end."""
 
         async def read(address: str) -> None:
-            models = await self.poll(session, address)
-            try:
-                self.record(address, models)
-            except Exception:
-                log.exception("%s: recording %s's answer failed", self.task_name, address)
-            for name in models or ():
-                waiting = self._reading_for.get(name)
-                if waiting is not None and not waiting.done():
-                    waiting.set_result(None)
+            self._let_go(await self._poll_and_record(session, address) or ())
 
         try:
             await asyncio.gather(*(read(a) for a in self._addresses()))
@@ -207,8 +199,9 @@ class ModelLister(EndpointPoller["frozenset[str] | None"]):
         finally:
             self._release_waiting()
 
-    def _let_go(self, models: set[str]) -> None:
-        """The requests for ``models`` go on: a read for them is over (none named them)."""
+    def _let_go(self, models: Iterable[str]) -> None:
+        """The requests for ``models`` go on (a list names them, or a read for them is
+        over)."""
         for model in models:
             waiting = self._reading_for.get(model)
             if waiting is not None and not waiting.done():
