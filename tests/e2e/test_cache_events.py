@@ -33,6 +33,7 @@ from extproc.hashing import block_hashes, root_hash
 from extproc.prompt import parse_request
 from extproc.stack import LOOPBACK, Stack
 
+from ..replica_calls import post as _post
 from ..router_gauges import models_known
 from ..waiting import wait_until
 
@@ -102,15 +103,6 @@ def _complete(address: str, prompt: str) -> str:
     )
     with urllib.request.urlopen(request, timeout=120) as response:
         return json.load(response)["choices"][0]["text"]
-
-
-def _post(address: str, path: str, body: dict | None = None) -> int:
-    """POST to the server (``body`` as JSON, else empty); its status (errors raise)."""
-    data = b"" if body is None else json.dumps(body).encode()
-    headers = {} if body is None else {"Content-Type": "application/json"}
-    request = urllib.request.Request(f"http://{address}{path}", data, headers, method="POST")
-    with urllib.request.urlopen(request, timeout=60) as response:
-        return response.status
 
 
 @contextlib.contextmanager

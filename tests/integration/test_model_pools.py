@@ -6,13 +6,14 @@ from __future__ import annotations
 
 import json
 import time
-import urllib.request
 
 import pytest
 
 from extproc.stack import Stack
 
+from ..replica_calls import post
 from ..router_gauges import models_known
+from ..waiting import wait_until
 from .conftest import start_routed_stack
 
 pytestmark = [pytest.mark.envoy]
@@ -23,12 +24,6 @@ FAST = ["--prefill-ms-per-token", "0.0001", "--decode-ms-per-token", "0.1"]
 def _chat(model: str, text: str) -> bytes:
     body = {"model": model, "messages": [{"role": "user", "content": text}], "max_tokens": 2}
     return json.dumps(body).encode()
-
-
-def _post_json(address: str, path: str, body: dict) -> int:
-    request = urllib.request.Request(f"http://{address}{path}", data=json.dumps(body).encode())
-    with urllib.request.urlopen(request, timeout=5) as response:
-        return response.status
 
 
 @pytest.mark.parametrize(
@@ -43,10 +38,8 @@ def test_each_models_requests_reach_only_its_pool(mode, body_mode):
         routed = start_routed_stack(stack, mode, body_mode, members)
         admin = stack.router_admin_ports["router"]
         expected = {(a, "pool-a") for a in pool_a} | {(b, "pool-b") for b in pool_b}
-        deadline = time.monotonic() + 10
-        while models_known(admin) != expected:  # gauges refresh every second
-            assert time.monotonic() < deadline, models_known(admin)
-            time.sleep(0.2)
+        # (gauges refresh every second)
+        assert wait_until(lambda: models_known(admin) == expected, 10, 0.2), models_known(admin)
         served: dict[str, set[str]] = {"pool-a": set(), "pool-b": set()}
         for k in range(12):
             for model in served:
@@ -99,25 +92,22 @@ def test_an_adapter_loaded_at_run_time_is_routed_to_its_server_from_its_first_re
             ["--set", "models.interval_seconds=60", "--set", "models.unknown_wait_seconds=0.9"],
         )
         admin = stack.router_admin_ports["router"]
-        deadline = time.monotonic() + 10
-        while len(models_known(admin)) < 3:  # every list read once
-            assert time.monotonic() < deadline, models_known(admin)
-            time.sleep(0.2)
+        # every list read once
+        assert wait_until(lambda: len(models_known(admin)) >= 3, 10, 0.2), models_known(admin)
         for k, member in enumerate(members):
             if k:
                 time.sleep(1.1)  # (another name had the lists read within a second)
             name = f"sql-lora-{k}"
             load = {"lora_name": name, "lora_path": f"/adapters/{k}"}
-            assert _post_json(member, "/v1/load_lora_adapter", load) == 200
+            assert post(member, "/v1/load_lora_adapter", load, timeout=5) == 200
             statuses = []
             for j in range(4):
                 response = routed.send(_chat(name, f"question {k} {j} " * 20))
                 statuses.append((response.status, response.replica))
             assert statuses == [(200, f"replica-{k + 1}")] * 4, (name, statuses)
-        deadline = time.monotonic() + 5
-        while not all((m, f"sql-lora-{k}") in models_known(admin) for k, m in enumerate(members)):
-            assert time.monotonic() < deadline, models_known(admin)  # (gauges: every second)
-            time.sleep(0.2)
+        adapters = {(m, f"sql-lora-{k}") for k, m in enumerate(members)}
+        # (gauges: every second)
+        assert wait_until(lambda: adapters <= models_known(admin), 5, 0.2), models_known(admin)
 
 
 def test_an_adapter_unloaded_from_one_server_goes_to_the_other_after_one_404():
@@ -130,10 +120,8 @@ def test_an_adapter_unloaded_from_one_server_goes_to_the_other_after_one_404():
     with Stack() as stack:
         members = stack.start_replicas(2, [*FAST, "--model", "base"])
         for member in members:
-            assert (
-                _post_json(member, "/v1/load_lora_adapter", {"lora_name": "x", "lora_path": "/x"})
-                == 200
-            )
+            load = {"lora_name": "x", "lora_path": "/x"}
+            assert post(member, "/v1/load_lora_adapter", load, timeout=5) == 200
         routed = start_routed_stack(
             stack,
             "override-host",
@@ -142,20 +130,17 @@ def test_an_adapter_unloaded_from_one_server_goes_to_the_other_after_one_404():
             ["--set", "models.interval_seconds=60"],
         )
         admin = stack.router_admin_ports["router"]
-        deadline = time.monotonic() + 10
-        while len(models_known(admin)) < 4:  # both lists read, each naming base and x
-            assert time.monotonic() < deadline, models_known(admin)
-            time.sleep(0.2)
-        assert _post_json(members[0], "/v1/unload_lora_adapter", {"lora_name": "x"}) == 200
+        # both lists read, each naming base and x
+        assert wait_until(lambda: len(models_known(admin)) >= 4, 10, 0.2), models_known(admin)
+        assert post(members[0], "/v1/unload_lora_adapter", {"lora_name": "x"}, timeout=5) == 200
         before = []
         while (404, "replica-1") not in before:
             assert len(before) < 40, before
             response = routed.send(_chat("x", f"before {len(before)} " * 20))
             before.append((response.status, response.replica))
-        deadline = time.monotonic() + 5
-        while (members[0], "x") in models_known(admin):  # (gauges: every second)
-            assert time.monotonic() < deadline, models_known(admin)
-            time.sleep(0.1)
+        unloaded = (members[0], "x")
+        # (gauges: every second)
+        assert wait_until(lambda: unloaded not in models_known(admin), 5), models_known(admin)
         after = []
         for k in range(12):
             response = routed.send(_chat("x", f"after {k} " * 20))
