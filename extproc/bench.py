@@ -78,7 +78,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--router-replicas", type=int, default=1, help="K independent router instances"
     )
     sim.add_argument("--speedup", type=float, default=1.0, help="trace time compression")
-    sim.add_argument("--seed", type=int, default=0)
+    sim.add_argument(
+        "--seed",
+        type=int,
+        default=0,
+        help="draws a generated workload; for a trace, which the seed does not change, names "
+        "the replicas (the addresses ours and consistent hashing hash; 0: the names before Dec 7)",
+    )
     sim.add_argument(
         "--policies", default="all", help=f"comma list or 'all': {','.join(ALL_POLICIES)}"
     )
@@ -161,8 +167,8 @@ def add_grid_arguments(grid: argparse.ArgumentParser) -> None:
         "--seeds",
         type=int,
         default=1,
-        help="run every cell with seeds 0..N-1 (a new draw of each generated workload) and "
-        "compare the means",
+        help="run every cell with seeds 0..N-1 (a new draw of each generated workload, new "
+        "replica names for a trace) and compare the means",
     )
     _add_cost_argument(grid)
     add_routing_argument(grid)

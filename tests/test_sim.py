@@ -559,6 +559,54 @@ def test_mooncake_loader_reads_partial_last_block(tmp_path) -> None:
     assert ideal_hit_tokens(workload.requests, 16) == 512 + 176
 
 
+def _addresses_ours_knows(workload: Workload, seed: int) -> set[str]:
+    from extproc.sim import policies
+
+    seen: set[str] = set()
+    original = policies.Router.observe_signals
+
+    def spy(self, address, *args, **kw):
+        seen.add(address)
+        return original(self, address, *args, **kw)
+
+    policies.Router.observe_signals = spy  # type: ignore[method-assign]
+    try:
+        simulate(workload, "ours", SimParams(replicas=3, capacity_tokens=20_000, seed=seed))
+    finally:
+        policies.Router.observe_signals = original  # type: ignore[method-assign]
+    return seen
+
+
+def test_a_traces_seed_renames_its_replicas(tmp_path, small_chat: Workload) -> None:
+    """A trace is the same requests whatever the seed, so before Dec 7 its five seeds ran ours
+    (one router), consistent hashing and SGLang five times alike. The seed now names the
+    replicas: ours' rendezvous order and the hash ring place keys by those names, so each
+    seed is one draw of a deployment's addresses. Seed 0 keeps the earlier names, and a
+    generated workload, which the seed draws anew, keeps them whatever its seed."""
+    trace = tmp_path / "trace.jsonl"
+    rows = [
+        {"timestamp": 150 * i, "input_length": 1000, "output_length": 4,
+         "hash_ids": [1000 + i % 24, 5000 + i]}
+        for i in range(96)
+    ]  # fmt: skip
+    trace.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    workload = load_mooncake(trace)
+
+    def placements(policy: str, seed: int) -> list[int]:
+        params = SimParams(replicas=4, capacity_tokens=100_000, seed=seed)
+        return [r.replica for r in simulate(workload, policy, params).records]
+
+    for policy in ("ours", "consistent-hash"):
+        assert placements(policy, 1) == placements(policy, 1)
+        assert placements(policy, 0) != placements(policy, 1), policy
+    # SGLang names no replica (ties go to the first of identical replicas): nothing moves.
+    assert placements("sglang", 0) == placements("sglang", 1)
+    old_names = {f"10.0.0.{r + 1}:8000" for r in range(3)}
+    assert _addresses_ours_knows(workload, 0) == old_names
+    assert _addresses_ours_knows(workload, 3) == {f"10.0.0.{r + 1}:8003" for r in range(3)}
+    assert _addresses_ours_knows(small_chat, 3) == old_names
+
+
 def test_cli_simulate_end_to_end(tmp_path, capsys) -> None:
     out, png = tmp_path / "out.json", tmp_path / "out.png"
     code = main(

@@ -110,6 +110,7 @@ def simulate(
         share_placements=params.share_placements,
         server_blocks=params.server_blocks,
         cache_events_delay=None if params.kv_events_ms is None else params.kv_events_ms / 1000.0,
+        labelling=params.seed if workload.fixed else 0,
     )
     chunk_tokens = requests[0].chunk_tokens if requests else 16
     router = make_policy(policy, ctx, params.router_replicas, chunk_tokens)

@@ -8,8 +8,10 @@ Peers do not depend on our routing configuration: ``--peers-from`` reuses their 
 an earlier grid JSON, so a tuning run only re-simulates ours.
 
 With several seeds (``--seeds N``) every cell runs once per seed — a generated workload is
-drawn anew from each seed, the simulator's own randomness (K router replicas, the random
-policy) follows it — and the verdicts compare means: a p99 a few milliseconds apart on one
+drawn anew from each seed, a trace's replicas get new names (the addresses ours' rendezvous
+order and the hash ring hash: on a trace, before Dec 7, ours at K=1, consistent hashing and
+SGLang ran the same run five times), the simulator's own randomness (K router replicas, the
+random policy) follows it — and the verdicts compare means: a p99 a few milliseconds apart on one
 draw of the workload can swap places on the next (docs/benchmarks.md, the grid section).
 """
 
@@ -84,7 +86,8 @@ def cells(workloads: Sequence[str], replicas: Sequence[int], ks: Sequence[int]) 
 
 @functools.cache
 def _workload(name: str, trace: str | None, seed: int = 0) -> Workload:
-    """A trace is what it is whatever the seed; a generated workload is drawn from it."""
+    """A trace is what it is whatever the seed (which renames its replicas instead:
+    engine.simulate); a generated workload is drawn from it."""
     if name == "mooncake":
         if not trace:
             raise SystemExit("the mooncake workload needs --trace (the Mooncake JSONL file)")

@@ -64,10 +64,24 @@ class PolicyContext:
     # Ours' router replicas read the replicas' KV-cache events this long (seconds) after
     # they happen (SimParams.kv_events_ms); None: they do not.
     cache_events_delay: float | None = None
+    # Which names the replicas go by (0: the names of every run before Dec 7's fortieth
+    # session). Policies that hash names (ours' rendezvous order, the hash ring) place keys
+    # by them, so each naming is one draw of a deployment's addresses; the engine draws it
+    # from the seed for a trace, which the seed does not change otherwise.
+    labelling: int = 0
 
     @property
     def n(self) -> int:
         return len(self.replicas)
+
+    def address(self, replica: int) -> str:
+        """Replica ``replica``'s address as ours knows it."""
+        port = 8000 + self.labelling % 50_000
+        return f"10.0.{replica // 250}.{replica % 250 + 1}:{port}"
+
+    def ring_name(self, replica: int) -> str:
+        """Replica ``replica``'s name on the consistent-hashing ring."""
+        return f"replica-{replica}" + (f"@{self.labelling}" if self.labelling else "")
 
 
 def _argbest(values: Sequence[float], rng: random.Random, highest: bool = True) -> int:
@@ -122,7 +136,7 @@ class ConsistentHashPolicy(_Tracked):
     def __init__(self, ctx: PolicyContext) -> None:
         super().__init__(ctx)
         points = sorted(
-            (xxh3_64_intdigest(f"replica-{r}#{v}".encode()), r)
+            (xxh3_64_intdigest(f"{ctx.ring_name(r)}#{v}".encode()), r)
             for r in range(ctx.n)
             for v in range(self.VNODES)
         )
@@ -520,7 +534,7 @@ class OursPolicy:
                 f"against blocks of {self.block_tokens}"
             )
         self.blocks_per_chunk = max(1, chunk_tokens // self.block_tokens)
-        addresses = [f"10.0.{r // 250}.{r % 250 + 1}:8000" for r in range(ctx.n)]
+        addresses = [ctx.address(r) for r in range(ctx.n)]
         self.replica_of = {a: r for r, a in enumerate(addresses)}
         self.router = Router(
             config,

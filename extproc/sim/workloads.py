@@ -47,6 +47,9 @@ class Workload:
     name: str
     requests: list[SimRequest]
     params: dict[str, Any]
+    # A trace: the same requests whatever the seed (a generated workload is drawn from it).
+    # The seed then renames the replicas instead (PolicyContext.labelling).
+    fixed: bool = False
 
 
 def load_mooncake(path: str | Path, speedup: float = 1.0, limit: int | None = None) -> Workload:
@@ -74,7 +77,7 @@ def load_mooncake(path: str | Path, speedup: float = 1.0, limit: int | None = No
                 )
             )
     requests.sort(key=lambda r: (r.arrival_s, r.rid))
-    return Workload(Path(path).name, requests, {"trace": str(path), "speedup": speedup})
+    return Workload(Path(path).name, requests, {"trace": str(path), "speedup": speedup}, fixed=True)
 
 
 def _chunks(tokens: int) -> int:
