@@ -8,7 +8,7 @@ import random
 import pytest
 
 from extproc.cli import main
-from extproc.sim.grid import Cell, verdicts
+from extproc.sim.grid import Cell, better_beyond_noise, markdown, summary_line, verdicts
 
 
 def _summary(hit: float, p99: float) -> dict[str, float]:
@@ -38,6 +38,64 @@ def test_verdict_compares_ours_with_the_best_non_oracle_peer() -> None:
     results[cell]["ours"] = _summary(0.81, 90.0)  # ties count as wins
     (verdict,) = verdicts(results)
     assert verdict.wins_hit and verdict.wins_p99
+
+
+def _seeded(hits: list[float], p99s: list[float]) -> dict:
+    n = len(hits)
+    return {
+        "hit_ratio": sum(hits) / n,
+        "ttft_p99_ms": sum(p99s) / n,
+        "per_seed": {"hit_ratio": hits, "ttft_p99_ms": p99s},
+    }
+
+
+def test_a_peer_is_better_beyond_noise_only_past_its_seeds_spread() -> None:
+    """A paired t-test on the per-seed figures (95 %): a lead the same in every draw counts,
+    one a fraction of the draws' spread does not, and one seed is no evidence either way."""
+    ours = _seeded([0.50, 0.52, 0.51, 0.53, 0.49], [100, 110, 105, 95, 120])
+    steady = _seeded([0.51, 0.53, 0.52, 0.54, 0.50], [99, 109, 104, 94, 119])  # +0.01, -1 ms
+    assert better_beyond_noise(ours, steady, "hit_ratio", higher=True)
+    assert better_beyond_noise(ours, steady, "ttft_p99_ms", higher=False)
+    assert not better_beyond_noise(steady, ours, "hit_ratio", higher=True)
+    # Ahead on the mean by 0.002, but by -0.02 to +0.02 draw by draw: noise.
+    noisy = _seeded([0.52, 0.50, 0.54, 0.51, 0.49], [130, 80, 100, 120, 90])
+    assert noisy["hit_ratio"] > ours["hit_ratio"] and noisy["ttft_p99_ms"] < ours["ttft_p99_ms"]
+    assert not better_beyond_noise(ours, noisy, "hit_ratio", higher=True)
+    assert not better_beyond_noise(ours, noisy, "ttft_p99_ms", higher=False)
+    # Mostly ahead with one draw behind: t = 2.3 over 5 seeds, under 2.776.
+    mostly = _seeded([0.51, 0.53, 0.52, 0.54, 0.485], [100, 110, 105, 95, 120])
+    assert not better_beyond_noise(ours, mostly, "hit_ratio", higher=True)
+    assert not better_beyond_noise(ours, ours, "hit_ratio", higher=True)  # a tie
+    one = _seeded([0.50], [100])
+    assert not better_beyond_noise(one, _seeded([0.90], [10]), "hit_ratio", higher=True)
+
+
+def test_the_verdict_names_the_peers_better_beyond_noise() -> None:
+    cell = Cell("w", 4, 1000)
+    results = {
+        cell: {
+            "ours": _seeded([0.50, 0.52, 0.51], [100, 110, 105]),
+            "sglang": _seeded([0.51, 0.53, 0.52], [140, 150, 145]),  # more hits, every draw
+            "round-robin": _seeded([0.30, 0.31, 0.29], [90, 125, 95]),  # p99 lower on the mean
+        }
+    }
+    (verdict,) = verdicts(results)
+    assert verdict.clearly_better_hit == ("sglang",)
+    assert verdict.clearly_better_p99 == ()  # round robin: 103 against 105, ± 15
+    assert not verdict.wins_p99  # the strict verdict still counts it
+    assert summary_line([verdict]).endswith(
+        "Beyond the seeds' noise (paired t, 95 %), no peer has a better hit ratio in 0/1 cells,"
+        " a shorter p99 in 1, either in 0"
+    )
+    table = markdown([verdict]).splitlines()
+    assert "better beyond noise: hit; p99" in table[0] and "| sglang; — |" in table[2]
+    # One seed: nothing to test, and the table and summary say nothing of it.
+    single = {
+        cell: {p: _summary(s["hit_ratio"], s["ttft_p99_ms"]) for p, s in results[cell].items()}
+    }
+    (verdict,) = verdicts(single)
+    assert verdict.clearly_better_hit is None and verdict.clearly_better_p99 is None
+    assert "noise" not in summary_line([verdict]) and "noise" not in markdown([verdict])
 
 
 def _grid(tmp_path, name: str, *extra: str) -> dict:

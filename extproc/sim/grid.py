@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 import os
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ProcessPoolExecutor
@@ -310,6 +311,32 @@ def load_peers(
     }
 
 
+# Two-sided 95 % critical values of Student's t by degrees of freedom (seeds - 1); past the
+# table, the normal's.
+_T95 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262}
+
+
+def better_beyond_noise(ours: dict[str, Any], peer: dict[str, Any], key: str, higher: bool) -> bool:
+    """Whether ``peer`` beats ours on ``key`` by more than its seeds' noise: a paired t-test
+    (95 %, two-sided) on the per-seed figures, each seed one draw of the workload (or, for a
+    trace, of the replicas' names) that both ran. A p99 or hit ratio a fraction of a seed's
+    spread apart is not a loss the next draw would repeat. With fewer than two seeds there is
+    no spread to measure: False."""
+    mine = ours.get("per_seed", {}).get(key)
+    theirs = peer.get("per_seed", {}).get(key)
+    if not mine or not theirs or len(mine) != len(theirs) or len(mine) < 2:
+        return False
+    diffs = [(t - m) if higher else (m - t) for m, t in zip(mine, theirs, strict=True)]
+    n = len(diffs)
+    mean = sum(diffs) / n
+    if mean <= 1e-12:
+        return False
+    spread = math.sqrt(sum((d - mean) ** 2 for d in diffs) / (n - 1))
+    if spread == 0.0:
+        return True  # better by the same margin in every draw
+    return mean / (spread / math.sqrt(n)) > _T95.get(n - 1, 1.96)
+
+
 @dataclass(frozen=True, slots=True)
 class Verdict:
     """Ours against the best non-oracle peer in one (workload, replicas, capacity) cell."""
@@ -322,6 +349,10 @@ class Verdict:
     hit_k: dict[int, float]
     # Peers at least as good on both and better on one (hit ratio, p99).
     dominated_by: tuple[str, ...] = ()
+    # Peers better on hit ratio, and on p99, beyond the seeds' noise (better_beyond_noise);
+    # None: a single seed, nothing to test.
+    clearly_better_hit: tuple[str, ...] | None = None
+    clearly_better_p99: tuple[str, ...] | None = None
 
     @property
     def wins_hit(self) -> bool:
@@ -360,6 +391,15 @@ def verdicts(results: dict[Cell, dict[str, dict[str, Any]]]) -> list[Verdict]:
             and s["ttft_p99_ms"] <= p99
             and (s["hit_ratio"] > hit or s["ttft_p99_ms"] < p99)
         )
+        seeded = len(ours.get("per_seed", {}).get("hit_ratio", ())) >= 2
+        clearly_hit = clearly_p99 = None
+        if seeded:
+            clearly_hit = tuple(
+                p for p, s in peers.items() if better_beyond_noise(ours, s, "hit_ratio", True)
+            )
+            clearly_p99 = tuple(
+                p for p, s in peers.items() if better_beyond_noise(ours, s, "ttft_p99_ms", False)
+            )
         out.append(
             Verdict(
                 cell,
@@ -369,31 +409,42 @@ def verdicts(results: dict[Cell, dict[str, dict[str, Any]]]) -> list[Verdict]:
                 (p99_peer, peers[p99_peer]["ttft_p99_ms"], peers[p99_peer]["hit_ratio"]),
                 hit_k,
                 dominated_by,
+                clearly_hit,
+                clearly_p99,
             )
         )
     return out
 
 
 def markdown(rows: Sequence[Verdict]) -> str:
-    """The docs/benchmarks.md grid table; bold = ours at least as good as every peer."""
+    """The docs/benchmarks.md grid table; bold = ours at least as good as every peer. With
+    several seeds, the peers better than ours beyond the seeds' noise (better_beyond_noise)."""
     ks = sorted({k for v in rows for k in v.hit_k if k != 1})
+    tested = any(v.clearly_better_hit is not None for v in rows)
     head = (
         "| workload | replicas × KV tokens | ours hit | ours p99 ms | best peer hit (who, its p99)"
         " | best peer p99 (who, its hit) | peers better on both |"
+        + (" better beyond noise: hit; p99 |" if tested else "")
         + "".join(f" ours K={k} hit (vs K=1) |" for k in ks)
     )
-    lines = [head, "|" + "---|" * (7 + len(ks))]
+    lines = [head, "|" + "---|" * (7 + tested + len(ks))]
     for v in rows:
         hit = f"**{v.hit:.3f}**" if v.wins_hit else f"{v.hit:.3f}"
         p99 = f"**{v.p99:.0f}**" if v.wins_p99 else f"{v.p99:.0f}"
         by_k = "".join(
             f" {v.hit_k[k]:.3f} ({v.hit_k[k] - v.hit:+.3f}) |" if k in v.hit_k else " |" for k in ks
         )
+        noise = ""
+        if tested:
+            noise = (
+                f" {', '.join(v.clearly_better_hit or ()) or '—'};"
+                f" {', '.join(v.clearly_better_p99 or ()) or '—'} |"
+            )
         lines.append(
             f"| {v.cell.workload} | {v.cell.replicas} × {v.cell.capacity_tokens:,} | {hit} | {p99} "
             f"| {v.best_hit[1]:.3f} ({v.best_hit[0]}, {v.best_hit[2]:.0f}) "
             f"| {v.best_p99[1]:.0f} ({v.best_p99[0]}, {v.best_p99[2]:.3f}) "
-            f"| {', '.join(v.dominated_by) or '—'} |{by_k}"
+            f"| {', '.join(v.dominated_by) or '—'} |{noise}{by_k}"
         )
     return "\n".join(lines)
 
@@ -410,4 +461,13 @@ def summary_line(rows: Sequence[Verdict]) -> str:
     for k in sorted({k for v in rows for k in v.hit_k if k != 1}):
         close = sum(1 for v in rows if k in v.hit_k and v.hit_k[k] >= v.hit - 0.02)
         text += f"; K={k} within 0.02 of K=1 in {close}"
+    tested = [v for v in rows if v.clearly_better_hit is not None]
+    if tested:
+        hit_ok = sum(not v.clearly_better_hit for v in tested)
+        p99_ok = sum(not v.clearly_better_p99 for v in tested)
+        both_ok = sum(not v.clearly_better_hit and not v.clearly_better_p99 for v in tested)
+        text += (
+            f". Beyond the seeds' noise (paired t, 95 %), no peer has a better hit ratio in "
+            f"{hit_ok}/{len(tested)} cells, a shorter p99 in {p99_ok}, either in {both_ok}"
+        )
     return text
