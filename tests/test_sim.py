@@ -559,25 +559,34 @@ def test_mooncake_loader_reads_partial_last_block(tmp_path) -> None:
     assert ideal_hit_tokens(workload.requests, 16) == 512 + 176
 
 
-def _addresses_ours_knows(workload: Workload, seed: int) -> set[str]:
+def _names_seen(monkeypatch, workload: Workload, seed: int) -> tuple[set[str], set[str]]:
+    """The addresses ours knows the replicas by, and the hash ring's names for them."""
     from extproc.sim import policies
 
-    seen: set[str] = set()
+    addresses: set[str] = set()
     original = policies.Router.observe_signals
 
     def spy(self, address, *args, **kw):
-        seen.add(address)
+        addresses.add(address)
         return original(self, address, *args, **kw)
 
-    policies.Router.observe_signals = spy  # type: ignore[method-assign]
-    try:
-        simulate(workload, "ours", SimParams(replicas=3, capacity_tokens=20_000, seed=seed))
-    finally:
-        policies.Router.observe_signals = original  # type: ignore[method-assign]
-    return seen
+    monkeypatch.setattr(policies.Router, "observe_signals", spy)
+    params = SimParams(replicas=3, capacity_tokens=20_000, seed=seed)
+    simulate(workload, "ours", params)
+    ring: set[str] = set()
+    name = policies.PolicyContext.ring_name
+
+    def ring_spy(self, replica):
+        ring.add(name(self, replica))
+        return name(self, replica)
+
+    monkeypatch.setattr(policies.PolicyContext, "ring_name", ring_spy)
+    simulate(workload, "consistent-hash", params)
+    monkeypatch.undo()
+    return addresses, ring
 
 
-def test_a_traces_seed_renames_its_replicas(tmp_path, small_chat: Workload) -> None:
+def test_a_traces_seed_renames_its_replicas(tmp_path, monkeypatch, small_chat: Workload) -> None:
     """A trace is the same requests whatever the seed, so before Dec 7 its five seeds ran ours
     (one router), consistent hashing and SGLang five times alike. The seed now names the
     replicas: ours' rendezvous order and the hash ring place keys by those names, so each
@@ -601,10 +610,20 @@ def test_a_traces_seed_renames_its_replicas(tmp_path, small_chat: Workload) -> N
         assert placements(policy, 0) != placements(policy, 1), policy
     # SGLang names no replica (ties go to the first of identical replicas): nothing moves.
     assert placements("sglang", 0) == placements("sglang", 1)
-    old_names = {f"10.0.0.{r + 1}:8000" for r in range(3)}
-    assert _addresses_ours_knows(workload, 0) == old_names
-    assert _addresses_ours_knows(workload, 3) == {f"10.0.0.{r + 1}:8003" for r in range(3)}
-    assert _addresses_ours_knows(small_chat, 3) == old_names
+    # Round robin starts at a random replica: another one, the same figures.
+    params = [SimParams(replicas=4, capacity_tokens=100_000, seed=s) for s in (0, 1)]
+    rr = [summarize(simulate(workload, "round-robin", p), 1.0) for p in params]
+    assert rr[0] == rr[1]
+    old_names = (
+        {f"10.0.0.{r + 1}:8000" for r in range(3)},
+        {f"replica-{r}" for r in range(3)},
+    )
+    assert _names_seen(monkeypatch, workload, 0) == old_names
+    assert _names_seen(monkeypatch, workload, 3) == (
+        {f"10.0.0.{r + 1}:8003" for r in range(3)},
+        {f"replica-{r}@3" for r in range(3)},
+    )
+    assert _names_seen(monkeypatch, small_chat, 3) == old_names
 
 
 def test_cli_simulate_end_to_end(tmp_path, capsys) -> None:

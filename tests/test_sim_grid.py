@@ -62,9 +62,16 @@ def test_a_peer_is_better_beyond_noise_only_past_its_seeds_spread() -> None:
     assert noisy["hit_ratio"] > ours["hit_ratio"] and noisy["ttft_p99_ms"] < ours["ttft_p99_ms"]
     assert not better_beyond_noise(ours, noisy, "hit_ratio", higher=True)
     assert not better_beyond_noise(ours, noisy, "ttft_p99_ms", higher=False)
-    # Mostly ahead with one draw behind: t = 2.3 over 5 seeds, under 2.776.
-    mostly = _seeded([0.51, 0.53, 0.52, 0.54, 0.485], [100, 110, 105, 95, 120])
+    # Mostly ahead with one draw behind: t = 2.57 over 5 seeds with the sample deviation,
+    # under 2.776 (2.87 with the population's, which would wrongly pass).
+    mostly = _seeded([0.51, 0.53, 0.52, 0.54, 0.486], [100, 110, 105, 95, 120])
     assert not better_beyond_noise(ours, mostly, "hit_ratio", higher=True)
+    # Eleven seeds: t with 10 degrees of freedom needs 2.228, not the normal's 1.96 (t = 2.14).
+    base = [0.5 + 0.01 * i for i in range(11)]
+    ahead = [b + d for b, d in zip(base, [0.01] * 10 + [-0.025], strict=True)]
+    assert not better_beyond_noise(
+        _seeded(base, [100] * 11), _seeded(ahead, [100] * 11), "hit_ratio", higher=True
+    )
     assert not better_beyond_noise(ours, ours, "hit_ratio", higher=True)  # a tie
     one = _seeded([0.50], [100])
     assert not better_beyond_noise(one, _seeded([0.90], [10]), "hit_ratio", higher=True)

@@ -9,9 +9,10 @@ an earlier grid JSON, so a tuning run only re-simulates ours.
 
 With several seeds (``--seeds N``) every cell runs once per seed — a generated workload is
 drawn anew from each seed, a trace's replicas get new names (the addresses ours' rendezvous
-order and the hash ring hash: on a trace, before Dec 7, ours at K=1, consistent hashing and
-SGLang ran the same run five times), the simulator's own randomness (K router replicas, the
-random policy) follows it — and the verdicts compare means: a p99 a few milliseconds apart on one
+order and the hash ring hash: on a trace, before Dec 7, ours at K=1 and consistent hashing
+ran the same run five times; SGLang, which names no replica, still does), the simulator's
+own randomness (K router replicas, the random policy) follows it — and the verdicts compare
+means: a p99 a few milliseconds apart on one
 draw of the workload can swap places on the next (docs/benchmarks.md, the grid section).
 """
 
@@ -311,17 +312,35 @@ def load_peers(
     }
 
 
-# Two-sided 95 % critical values of Student's t by degrees of freedom (seeds - 1); past the
-# table, the normal's.
-_T95 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262}
+# Two-sided 95 % critical values of Student's t by degrees of freedom (seeds - 1).
+_T95 = {
+    1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306,
+    9: 2.262, 10: 2.228, 11: 2.201, 12: 2.179, 13: 2.160, 14: 2.145, 15: 2.131, 16: 2.120,
+    17: 2.110, 18: 2.101, 19: 2.093, 20: 2.086, 21: 2.080, 22: 2.074, 23: 2.069, 24: 2.064,
+    25: 2.060, 26: 2.056, 27: 2.052, 28: 2.048, 29: 2.045, 30: 2.042, 40: 2.021, 60: 2.000,
+    120: 1.980,
+}  # fmt: skip
+
+
+def _t95(df: int) -> float:
+    """The critical value for ``df`` degrees of freedom: the table's, or that of the next
+    smaller tabled df (a little stricter), or the normal's past 120."""
+    if df in _T95:
+        return _T95[df]
+    if df > 120:
+        return 1.96
+    return _T95[max(k for k in _T95 if k < df)]
 
 
 def better_beyond_noise(ours: dict[str, Any], peer: dict[str, Any], key: str, higher: bool) -> bool:
-    """Whether ``peer`` beats ours on ``key`` by more than its seeds' noise: a paired t-test
-    (95 %, two-sided) on the per-seed figures, each seed one draw of the workload (or, for a
-    trace, of the replicas' names) that both ran. A p99 or hit ratio a fraction of a seed's
-    spread apart is not a loss the next draw would repeat. With fewer than two seeds there is
-    no spread to measure: False."""
+    """Whether ``peer`` beats ours on ``key`` by more than the seeds' noise: a t-test (95 %,
+    two-sided) on the per-seed differences. For a generated workload both ran the same draw
+    of it, so the test is paired; for a trace each seed names the replicas anew, which moves
+    ours and consistent hashing independently of the peer, so it is a one-sample test of the
+    differences. A lead a fraction of the draws' spread is not shown beyond noise (which is
+    not to say it is noise: a peer ahead in every draw but one may miss the bar); a lead the
+    same in every draw counts however small. Per peer: comparing several, an equal peer
+    shows as better about once in 40. With fewer than two seeds: False."""
     mine = ours.get("per_seed", {}).get(key)
     theirs = peer.get("per_seed", {}).get(key)
     if not mine or not theirs or len(mine) != len(theirs) or len(mine) < 2:
@@ -334,7 +353,7 @@ def better_beyond_noise(ours: dict[str, Any], peer: dict[str, Any], key: str, hi
     spread = math.sqrt(sum((d - mean) ** 2 for d in diffs) / (n - 1))
     if spread == 0.0:
         return True  # better by the same margin in every draw
-    return mean / (spread / math.sqrt(n)) > _T95.get(n - 1, 1.96)
+    return mean / (spread / math.sqrt(n)) > _t95(n - 1)
 
 
 @dataclass(frozen=True, slots=True)
