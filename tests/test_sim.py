@@ -588,7 +588,7 @@ def _names_seen(monkeypatch, workload: Workload, seed: int) -> tuple[set[str], s
 
 def test_a_traces_seed_renames_its_replicas(tmp_path, monkeypatch, small_chat: Workload) -> None:
     """A trace is the same requests whatever the seed, so before Dec 7 its five seeds ran ours
-    (one router), consistent hashing and SGLang five times alike. The seed now names the
+    (one router) and consistent hashing five times alike. The seed now names the
     replicas: ours' rendezvous order and the hash ring place keys by those names, so each
     seed is one draw of a deployment's addresses. Seed 0 keeps the earlier names, and a
     generated workload, which the seed draws anew, keeps them whatever its seed."""

@@ -50,7 +50,7 @@ def _seeded(hits: list[float], p99s: list[float]) -> dict:
 
 
 def test_a_peer_is_better_beyond_noise_only_past_its_seeds_spread() -> None:
-    """A paired t-test on the per-seed figures (95 %): a lead the same in every draw counts,
+    """A t-test on the per-seed differences (95 %): a lead the same in every draw counts,
     one a fraction of the draws' spread does not, and one seed is no evidence either way."""
     ours = _seeded([0.50, 0.52, 0.51, 0.53, 0.49], [100, 110, 105, 95, 120])
     steady = _seeded([0.51, 0.53, 0.52, 0.54, 0.50], [99, 109, 104, 94, 119])  # +0.01, -1 ms
@@ -91,7 +91,7 @@ def test_the_verdict_names_the_peers_better_beyond_noise() -> None:
     assert verdict.clearly_better_p99 == ()  # round robin: 103 against 105, ± 15
     assert not verdict.wins_p99  # the strict verdict still counts it
     assert summary_line([verdict]).endswith(
-        "Beyond the seeds' noise (paired t, 95 %), no peer has a better hit ratio in 0/1 cells,"
+        "Beyond the seeds' noise (a t-test, 95 %), no peer has a better hit ratio in 0/1 cells,"
         " a shorter p99 in 1, either in 0"
     )
     table = markdown([verdict]).splitlines()

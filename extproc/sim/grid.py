@@ -486,7 +486,7 @@ def summary_line(rows: Sequence[Verdict]) -> str:
         p99_ok = sum(not v.clearly_better_p99 for v in tested)
         both_ok = sum(not v.clearly_better_hit and not v.clearly_better_p99 for v in tested)
         text += (
-            f". Beyond the seeds' noise (paired t, 95 %), no peer has a better hit ratio in "
+            f". Beyond the seeds' noise (a t-test, 95 %), no peer has a better hit ratio in "
             f"{hit_ok}/{len(tested)} cells, a shorter p99 in {p99_ok}, either in {both_ok}"
         )
     return text
