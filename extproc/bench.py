@@ -20,11 +20,19 @@ from typing import Any
 
 from .config import RoutingConfig, routing_overrides
 from .sim import grid as sim_grid
-from .sim.engine import SimParams, simulate
+from .sim.engine import RouterChange, SimParams, parse_router_changes, simulate
 from .sim.grid import CAPACITIES
 from .sim.policies import ALL_POLICIES, BOUNDS, ideal_hit_ratio
 from .sim.replica import DEFAULT_KV_POOL, KV_POOLS, CostModel
-from .sim.report import PEERS_LINE, audit_table, plot, summarize, sweep_table, table
+from .sim.report import (
+    PEERS_LINE,
+    audit_table,
+    phases_table,
+    plot,
+    summarize,
+    sweep_table,
+    table,
+)
 from .sim.workloads import PRESETS, Workload, load_mooncake
 
 # Benchmarks in their own modules: name -> (module, help).
@@ -77,6 +85,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     sim.add_argument(
         "--router-replicas", type=int, default=1, help="K independent router instances"
     )
+    sim.add_argument(
+        "--router-changes",
+        metavar="TIME:WHAT,...",
+        help="the router replicas change during the run, at simulated seconds TIME: "
+        "'restart' replaces the oldest with a fresh one (empty index: a rolling restart's "
+        "step), a count scales to it (fresh ones join, the newest leave; the current count: "
+        "a boundary only); e.g. 300:restart,330:restart. Adds a table by stretch between "
+        "changes",
+    )
     sim.add_argument("--speedup", type=float, default=1.0, help="trace time compression")
     sim.add_argument(
         "--seed",
@@ -114,6 +131,42 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     sim.add_argument("--no-progress", action="store_true", help="no progress bar")
     add_grid_arguments(sub.add_parser("grid", help="simulator grid: ours vs best peer per cell"))
+    add_churn_arguments(
+        sub.add_parser(
+            "churn", help="simulator: what restarting or scaling ours' router replicas costs"
+        )
+    )
+
+
+def add_churn_arguments(churn: argparse.ArgumentParser) -> None:
+    source = churn.add_mutually_exclusive_group(required=True)
+    source.add_argument("--trace", help="Mooncake JSONL trace (timestamp, hash_ids, ...)")
+    source.add_argument("--workload", choices=sorted(PRESETS), help="generated workload")
+    churn.add_argument("--replicas", type=int, default=8, help="model-server replicas")
+    churn.add_argument(
+        "--capacity-tokens", type=int, default=1_000_000, help="KV cache per replica (tokens)"
+    )
+    churn.add_argument(
+        "--seeds",
+        type=int,
+        default=5,
+        help="seeds 0..N-1 (a new draw of a generated workload, new replica names for a trace)",
+    )
+    churn.add_argument(
+        "--at", type=float, help="when the change happens, simulated s (default: 30%% of the run)"
+    )
+    churn.add_argument(
+        "--window",
+        type=float,
+        help="the stretch after the change reported apart, s (default: 15%% of the run)",
+    )
+    _add_cost_argument(churn)
+    add_routing_argument(churn)
+    _add_kv_pool_argument(churn)
+    _add_cache_outputs_argument(churn)
+    _add_kv_events_argument(churn)
+    churn.add_argument("--json", dest="json_out", help="write results as JSON here")
+    churn.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
 def _add_server_blocks_argument(parser: argparse.ArgumentParser) -> None:
@@ -293,7 +346,93 @@ def run(args: argparse.Namespace) -> int:
         )
     if args.bench == "grid":
         return grid_command(args)
+    if args.bench == "churn":
+        return churn_command(args)
     return simulate_command(args)
+
+
+def churn_command(args: argparse.Namespace) -> int:
+    from tqdm import tqdm
+
+    from .sim import churn
+
+    started = time.perf_counter()
+    if args.json_out and not Path(args.json_out).parent.is_dir():
+        raise SystemExit(f"--json {args.json_out}: no such directory")
+    if args.seeds < 1:
+        raise SystemExit(f"--seeds {args.seeds}: at least 1")
+    if args.trace:
+        trace = load_mooncake(args.trace)
+
+        def workload_for_seed(seed: int) -> Workload:
+            return trace
+    else:
+        preset = PRESETS[args.workload]
+        drawn: dict[int, Workload] = {}
+
+        def workload_for_seed(seed: int) -> Workload:
+            if seed not in drawn:
+                drawn[seed] = preset(seed=seed)
+            return drawn[seed]
+
+    first = workload_for_seed(0)
+    span = max((r.arrival_s for r in first.requests), default=0.0)
+    at_s = args.at if args.at is not None else round(0.3 * span)
+    window_s = args.window if args.window is not None else round(0.15 * span)
+    if not 0 < at_s < span or window_s <= 0:
+        raise SystemExit(
+            f"--at {at_s:g} / --window {window_s:g}: the change must fall inside the run "
+            f"(arrivals span 0-{span:g} s) and the window be positive"
+        )
+    cost = _cost_model(args.cost)
+    routing = routing_overrides(args.routing)
+    base = SimParams(
+        replicas=args.replicas,
+        capacity_tokens=args.capacity_tokens,
+        cost=cost,
+        routing=RoutingConfig(**routing),
+        kv_pool=args.kv_pool,
+        cache_outputs=args.cache_outputs,
+        kv_events_ms=args.kv_events,
+    )
+    seeds = list(range(args.seeds))
+    bar = tqdm(
+        total=churn.runs_needed(args.seeds),
+        unit="run",
+        disable=True if args.no_progress else None,
+        file=sys.stderr,
+    )
+    rows = churn.run_scenarios(workload_for_seed, base, seeds, at_s, window_s, bar.update)
+    bar.close()
+    wall = time.perf_counter() - started
+    print(
+        f"workload {first.name}: {len(first.requests)} requests over {span:g} s; "
+        f"{args.replicas} replicas x {args.capacity_tokens:,} KV tokens; ours; seeds 0-"
+        f"{seeds[-1]} (means); change at {at_s:g} s, window {window_s:g} s"
+        + (f"; routing overrides {routing}" if routing else "")
+        + _kv_events_note(args.kv_events)
+    )
+    print(churn.table(rows, at_s, window_s))
+    print(f"\n{wall:.1f} s wall")
+    if args.json_out:
+        doc = {
+            "scenarios": rows,
+            "workload": first.name,
+            "replicas": args.replicas,
+            "capacity_tokens": args.capacity_tokens,
+            "at_s": at_s,
+            "window_s": window_s,
+            "seeds": seeds,
+            "routing_overrides": routing,
+            "kv_pool": args.kv_pool,
+            "cache_outputs": args.cache_outputs,
+            "kv_events_ms": args.kv_events,
+            "cost_model": cost.as_dict(),
+            "wall_seconds": round(wall, 2),
+            "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        }
+        Path(args.json_out).write_text(json.dumps(doc, indent=2) + "\n")
+    return 0
 
 
 def _int_list(flag: str, text: str) -> list[int]:
@@ -416,6 +555,17 @@ def _peer_sweep_runs(args: argparse.Namespace, names: list[str], ks: list[int]) 
     return [k for k in ks if k != 1]
 
 
+def _router_changes(args: argparse.Namespace) -> tuple[RouterChange, ...]:
+    if not args.router_changes:
+        return ()
+    if args.sweep_k:
+        raise SystemExit("--router-changes sets the router replicas over time: drop --sweep-k")
+    try:
+        return parse_router_changes(args.router_changes)
+    except ValueError as exc:
+        raise SystemExit(str(exc)) from None
+
+
 def simulate_command(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
@@ -424,6 +574,7 @@ def simulate_command(args: argparse.Namespace) -> int:
     names = _policy_names(args.policies)
     cost = _cost_model(args.cost)
     routing = routing_overrides(args.routing)
+    changes = _router_changes(args)
     params = SimParams(
         replicas=args.replicas,
         capacity_tokens=args.capacity_tokens,
@@ -438,6 +589,7 @@ def simulate_command(args: argparse.Namespace) -> int:
         server_blocks=args.server_blocks,
         cache_outputs=args.cache_outputs,
         kv_events_ms=args.kv_events,
+        router_changes=changes,
     )
     ks = _int_list("--sweep-k", args.sweep_k) if args.sweep_k else []
     swept = [n for n in names if n not in BOUNDS]
@@ -495,6 +647,7 @@ def simulate_command(args: argparse.Namespace) -> int:
             "server_blocks": args.server_blocks,
             "cache_outputs": args.cache_outputs,
             "kv_events_ms": args.kv_events,
+            "router_changes": args.router_changes,
         },
         "wall_seconds": round(time.perf_counter() - started, 2),
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
@@ -511,6 +664,7 @@ def simulate_command(args: argparse.Namespace) -> int:
         + ("; ours in its configured blocks (--server-blocks)" if args.server_blocks else "")
         + ("; replies cached" if args.cache_outputs else "; prompts only (--no-cache-outputs)")
         + _kv_events_note(args.kv_events)
+        + (f"; router changes {args.router_changes}" if changes else "")
     )
     print("cost model: " + ", ".join(f"{k}={v}" for k, v in cost.as_dict().items()))
     if routing:
@@ -520,6 +674,8 @@ def simulate_command(args: argparse.Namespace) -> int:
     if sweep:
         print("\nhit ratio vs router replicas K:")
         print(sweep_table(sweep))
+    if changes:
+        print("\n" + phases_table(results))
     if args.audit:
         print("\n" + audit_table(results))
     print(f"\n{doc['wall_seconds']:.1f} s wall")

@@ -7,6 +7,7 @@ they were created and a run is a pure function of (workload, policy, params, see
 from __future__ import annotations
 
 import heapq
+import math
 import random
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -17,7 +18,51 @@ from .policies import PolicyContext, make_policy
 from .replica import DEFAULT_KV_POOL, CostModel, Replica, cache_units
 from .workloads import SimRequest, Workload
 
-ARRIVAL, PREFILL_DONE, FINISH, GROW = 0, 1, 2, 3
+ARRIVAL, PREFILL_DONE, FINISH, GROW, ROUTERS = 0, 1, 2, 3, 4
+
+
+@dataclass(frozen=True)
+class RouterChange:
+    """At ``at_s`` (simulated seconds), the router replicas become ``replicas`` (fresh ones
+    join, the newest leave), or with ``restart`` the oldest is replaced by a fresh one: a
+    deployment of routers scaling or rolling. Fresh means as a started process is: an empty
+    index, its traffic share unmeasured. The count it had is a phase boundary alone."""
+
+    at_s: float
+    replicas: int | None = None
+    restart: bool = False
+
+
+def parse_router_changes(spec: str) -> tuple[RouterChange, ...]:
+    """``"60:restart,120:4,180:2"`` -> changes in time order; a message naming the flag on
+    anything else."""
+    changes: list[RouterChange] = []
+    for item in filter(None, (part.strip() for part in spec.split(","))):
+        at, sep, what = item.partition(":")
+        try:
+            at_s = float(at)
+        except ValueError:
+            at_s = math.nan
+        if not sep or not math.isfinite(at_s) or at_s < 0:
+            raise ValueError(
+                f"--router-changes: {item!r} is not TIME:restart or TIME:COUNT "
+                "(TIME in simulated seconds, at least 0)"
+            )
+        if what.strip() == "restart":
+            change = RouterChange(at_s, restart=True)
+        elif what.strip().isdigit() and int(what) >= 1:
+            change = RouterChange(at_s, replicas=int(what))
+        else:
+            raise ValueError(
+                f"--router-changes: {item!r}: after the time, 'restart' or a count of router "
+                "replicas (at least 1)"
+            )
+        if changes and at_s < changes[-1].at_s:
+            raise ValueError(f"--router-changes: {item!r} comes before the change ahead of it")
+        changes.append(change)
+    if not changes:
+        raise ValueError("--router-changes: no change given (e.g. 60:restart,120:4)")
+    return tuple(changes)
 
 
 @dataclass(frozen=True)
@@ -53,6 +98,9 @@ class SimParams:
     # BlockRemoved), each this many ms after it happened; None: they do not (the default,
     # as the server's cache_events section is optional: it needs the model's files).
     kv_events_ms: float | None = None
+    # The router replicas scale or restart during the run (RouterChange); policies that
+    # know the truth (the oracle) are one instance and ignore them.
+    router_changes: tuple[RouterChange, ...] = ()
 
 
 @dataclass(slots=True)
@@ -85,6 +133,8 @@ class RunResult:
     rules: dict[str, int]
     sim_seconds: float
     audit: dict[str, RuleAudit] = field(default_factory=dict)
+    # (from seconds, router replicas then) at the start and after each router change.
+    router_phases: list[tuple[float, int]] = field(default_factory=list)
 
 
 def simulate(
@@ -116,14 +166,20 @@ def simulate(
     router = make_policy(policy, ctx, params.router_replicas, chunk_tokens)
     records = [RequestRecord() for _ in requests]
     handles: dict[int, object] = {}
-    # (time ms, sequence, kind, request, the request's epoch, GROW's output token)
-    heap: list[tuple[float, int, int, SimRequest, int, int]] = []
+    # (time ms, sequence, kind, request (ROUTERS: the change), the request's epoch, GROW's
+    # output token)
+    heap: list[tuple[float, int, int, SimRequest | RouterChange, int, int]] = []
     seq = 0
     for request in requests:
         heap.append((request.arrival_s * 1000.0, seq, ARRIVAL, request, 0, 0))
         seq += 1
+    changeable = router.changeable
+    for change in params.router_changes if changeable else ():
+        heap.append((change.at_s * 1000.0, seq, ROUTERS, change, 0, 0))
+        seq += 1
     heapq.heapify(heap)
     started: set[int] = set()
+    phases = [(0.0, len(router.active))]
 
     def push(at: float, kind: int, request: SimRequest, replica: Replica, token: int = 0) -> None:
         nonlocal seq
@@ -158,6 +214,14 @@ def simulate(
     while heap:
         now, _, kind, request, epoch, token = heapq.heappop(heap)
         ctx.now = now / 1000.0
+        if kind == ROUTERS:
+            assert isinstance(request, RouterChange)
+            if request.restart:
+                router.restart()
+            elif request.replicas is not None:
+                router.resize(request.replicas)
+            phases.append((request.at_s, len(router.active)))
+            continue
         if kind != ARRIVAL:
             replica = replicas[records[request.rid].replica]
             if replica.preempts and epoch != replica.epoch(request):
@@ -205,5 +269,13 @@ def simulate(
     if progress is not None and arrived % 256:
         progress(arrived % 256)
     return RunResult(
-        policy, params, records, replicas, requests, router.rules(), now / 1000.0, audit
+        policy,
+        params,
+        records,
+        replicas,
+        requests,
+        router.rules(),
+        now / 1000.0,
+        audit,
+        phases if changeable and params.router_changes else [],
     )

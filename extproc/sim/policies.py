@@ -480,6 +480,9 @@ class CacheEventFeed:
         self.queues.append(queue)
         return queue
 
+    def unsubscribe(self, queue: deque[tuple[float, int, list[tuple[bool, int, int]]]]) -> None:
+        self.queues = [q for q in self.queues if q is not queue]
+
     def learn(self, ids: Sequence[int], hashes: np.ndarray, per_chunk: int) -> None:
         """The hashes a router computed for a request's chunks (per_chunk blocks each)."""
         known = self.chunk_hashes
@@ -624,18 +627,87 @@ class OursPolicy:
     def finish(self, handle: Any) -> None:
         self.router.finish(handle)
 
+    def retire(self) -> None:
+        """Taken out of the group: no more KV-cache events to queue for it."""
+        if self.cache_events is not None and self.event_queue is not None:
+            self.cache_events.unsubscribe(self.event_queue)
+            self.event_queue = None
+
 
 class RouterGroup:
-    """K independent instances of one policy; each request goes to one at random."""
+    """K independent instances of one policy; each request goes to one at random.
 
-    def __init__(self, instances: list[Any], rng: random.Random) -> None:
+    With ``build`` the group can change during a run (``resize``, ``restart``): the router
+    replicas of a deployment that scales or rolls. A retired instance routes nothing more
+    but still hears its own requests finish."""
+
+    def __init__(
+        self,
+        instances: list[Any],
+        rng: random.Random,
+        build: Callable[[], Any] | None = None,
+        link_peers: bool = False,
+    ) -> None:
         self.instances = instances
         self.rng = rng
+        self.build = build
+        self.link_peers = link_peers
+        # The instances that take requests, oldest first.
+        self.active: list[int] = list(range(len(instances)))
+        if link_peers:
+            self._link_peers()
 
     def route(self, request: SimRequest, now: float) -> tuple[int, Any]:
-        k = self.rng.randrange(len(self.instances)) if len(self.instances) > 1 else 0
+        active = self.active
+        k = active[self.rng.randrange(len(active))] if len(active) > 1 else active[0]
         replica, handle = self.instances[k].route(request, now)
         return replica, (k, handle)
+
+    @property
+    def changeable(self) -> bool:
+        return self.build is not None
+
+    def resize(self, count: int) -> None:
+        """Scale to ``count`` instances: fresh ones (empty state) join, or the newest leave
+        (as a Kubernetes ReplicaSet scales in: the pods ready for the shortest time first)."""
+        if self.build is None or count < 1:
+            raise ValueError(f"cannot resize this group to {count}")
+        while len(self.active) < count:
+            self._add()
+        while len(self.active) > count:
+            self._retire(self.active.pop())
+        if self.link_peers:
+            self._link_peers()
+
+    def restart(self) -> None:
+        """A rolling restart's step: the oldest instance leaves and a fresh one joins."""
+        if self.build is None:
+            raise ValueError("cannot restart this group")
+        self._retire(self.active.pop(0))
+        self._add()
+        if self.link_peers:
+            self._link_peers()
+
+    def _add(self) -> None:
+        assert self.build is not None
+        self.instances.append(self.build())
+        self.active.append(len(self.instances) - 1)
+
+    def _retire(self, k: int) -> None:
+        retire = getattr(self.instances[k], "retire", None)
+        if retire is not None:
+            retire()
+
+    def _link_peers(self) -> None:
+        """Ours' peers (config ``peers``): each active instance reads the other active ones.
+        A retired one drops out at once (a real one is forgotten PEER_FORGET_SECONDS after
+        it falls silent)."""
+        active = [self.instances[k] for k in self.active]
+        for instance in active:
+            instance.peers = [p for p in active if p is not instance]
+        for k, instance in enumerate(self.instances):
+            if k not in self.active:
+                instance.peers = []
 
     def finish(self, handle: Any) -> None:
         k, inner = handle
@@ -696,11 +768,10 @@ def make_policy(
         return RouterGroup([BOUNDS[name](ctx)], ctx.rng)
     else:
         raise ValueError(f"unknown policy {name!r}; choose from {', '.join(ALL_POLICIES)}")
-    group = RouterGroup([build() for _ in range(max(1, router_replicas))], ctx.rng)
-    if name == "ours" and (ctx.share_queues or ctx.share_placements):
-        for instance in group.instances:
-            instance.peers = [p for p in group.instances if p is not instance]
-    return group
+    linked = name == "ours" and (ctx.share_queues or ctx.share_placements)
+    return RouterGroup(
+        [build() for _ in range(max(1, router_replicas))], ctx.rng, build, link_peers=linked
+    )
 
 
 def ideal_hit_tokens(

@@ -46,6 +46,8 @@ def summarize(result: RunResult, ideal_hit_ratio: float) -> dict[str, Any]:
         summary["recomputed_tokens"] = sum(r.recomputed_tokens for r in result.replicas)
     if result.rules:
         summary["rules"] = dict(sorted(result.rules.items()))
+    if result.router_phases:
+        summary["phases"] = phase_summaries(result)
     if result.audit:
         summary["audit"] = {
             rule: {
@@ -56,6 +58,51 @@ def summarize(result: RunResult, ideal_hit_ratio: float) -> dict[str, Any]:
             for rule, a in sorted(result.audit.items())
         }
     return summary
+
+
+def phase_summaries(result: RunResult, with_tokens: bool = False) -> list[dict[str, Any]]:
+    """Per stretch between router changes (by arrival): what a scale or a restart costs is
+    in the requests that arrive after it, while fresh routers' indexes fill. ``with_tokens``
+    adds the hit and prompt tokens, to merge stretches."""
+    starts = [at for at, _ in result.router_phases]
+    ends = [*starts[1:], math.inf]
+    phases = []
+    for (start, routers), end in zip(result.router_phases, ends, strict=True):
+        picked = [i for i, r in enumerate(result.requests) if start <= r.arrival_s < end]
+        prompt = sum(result.requests[i].input_tokens for i in picked)
+        hits = sum(result.records[i].hit_tokens for i in picked)
+        ttft = sorted(result.records[i].ttft_ms for i in picked)
+        phase: dict[str, Any] = {
+            "from_s": start,
+            "to_s": None if math.isinf(end) else end,
+            "router_replicas": routers,
+            "requests": len(picked),
+            "hit_ratio": round(hits / prompt, 4) if prompt else 0.0,
+            "ttft_p50_ms": round(percentile(ttft, 50), 1),
+            "ttft_p99_ms": round(percentile(ttft, 99), 1),
+        }
+        if with_tokens:
+            phase["hit_tokens"], phase["prompt_tokens"] = hits, prompt
+        phases.append(phase)
+    return phases
+
+
+def phases_table(results: dict[str, dict[str, Any]]) -> str:
+    """Per policy, each stretch between router changes (requests by arrival)."""
+    lines = ["by stretch between router changes (requests by arrival time):"]
+    lines.append(
+        f"{'policy':18}{'from s':>8}{'to s':>8}{'K':>4}{'requests':>10}{'hit':>8}"
+        f"{'p50 ms':>9}{'p99 ms':>9}"
+    )
+    for name, summary in results.items():
+        for phase in summary.get("phases", []):
+            end = "end" if phase["to_s"] is None else f"{phase['to_s']:g}"
+            lines.append(
+                f"{name:18}{phase['from_s']:>8g}{end:>8}{phase['router_replicas']:>4}"
+                f"{phase['requests']:>10}{phase['hit_ratio']:>8.3f}"
+                f"{phase['ttft_p50_ms']:>9.0f}{phase['ttft_p99_ms']:>9.0f}"
+            )
+    return "\n".join(lines)
 
 
 def audit_table(results: dict[str, dict[str, Any]]) -> str:

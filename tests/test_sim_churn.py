@@ -1,0 +1,180 @@
+"""Router replicas that restart or scale during a simulated run (--router-changes, bench churn)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import random
+
+import pytest
+
+from extproc.cli import main
+from extproc.sim import churn
+from extproc.sim.engine import RouterChange, SimParams, parse_router_changes, simulate
+from extproc.sim.policies import CacheEventFeed, PolicyContext, make_policy
+from extproc.sim.replica import CostModel, Replica
+from extproc.sim.report import phase_summaries, summarize
+from extproc.sim.workloads import PRESETS, Workload
+
+
+@pytest.fixture(scope="module")
+def chat() -> Workload:
+    return PRESETS["small-multi-turn"](seed=0)
+
+
+def _group(routers: int, **sharing):
+    ctx = PolicyContext(
+        [Replica(i, 20_000, CostModel()) for i in range(4)], random.Random(0), 20_000, **sharing
+    )
+    return ctx, make_policy("ours", ctx, routers, 16)
+
+
+def _decisions(instance) -> int:
+    return sum(instance.rules.values())
+
+
+def test_router_changes_parse_in_time_order_and_name_the_flag() -> None:
+    assert parse_router_changes("60:restart, 90:4,90:2") == (
+        RouterChange(60.0, restart=True),
+        RouterChange(90.0, replicas=4),
+        RouterChange(90.0, replicas=2),
+    )
+    for bad in ("", "60", "x:restart", "-1:2", "60:0", "60:reboot", "90:2,60:restart", "inf:2"):
+        with pytest.raises(ValueError, match="--router-changes"):
+            parse_router_changes(bad)
+
+
+def test_a_restart_replaces_the_oldest_router_with_an_empty_one(chat: Workload) -> None:
+    ctx, group = _group(2)
+    for request in chat.requests[:40]:
+        ctx.now = request.arrival_s
+        group.route(request, ctx.now)
+    old, kept = group.instances
+    assert old.router.index.stats().entries and kept.router.index.stats().entries
+    routed_before = _decisions(old)
+    group.restart()
+    fresh = group.instances[2]
+    assert group.active == [1, 2] and fresh.router.index.stats().entries == 0
+    assert not fresh.router.traffic_share_measured
+    for request in chat.requests[40:80]:
+        ctx.now = request.arrival_s
+        group.route(request, ctx.now)
+    assert _decisions(old) == routed_before  # retired: routes nothing more
+    assert _decisions(fresh) > 0 and _decisions(kept) > 0
+
+
+def test_scaling_adds_fresh_routers_and_retires_the_newest_first() -> None:
+    _, group = _group(2, share_queues=True)
+    group.resize(4)
+    assert group.active == [0, 1, 2, 3]
+    for instance in group.instances:  # peers: every active router reads the others
+        assert set(instance.peers) == set(group.instances) - {instance}
+    group.resize(2)
+    assert group.active == [0, 1]
+    assert group.instances[0].peers == [group.instances[1]]
+    assert group.instances[2].peers == [] and group.instances[3].peers == []
+    with pytest.raises(ValueError):
+        group.resize(0)
+
+
+def test_a_retired_router_no_longer_queues_cache_events() -> None:
+    ctx = PolicyContext(
+        [Replica(i, 20_000, CostModel()) for i in range(2)],
+        random.Random(0),
+        20_000,
+        cache_events_delay=0.05,
+    )
+    group = make_policy("ours", ctx, 2, 16)
+    feed = group.instances[0].cache_events
+    assert isinstance(feed, CacheEventFeed) and len(feed.queues) == 2
+    group.restart()
+    assert len(feed.queues) == 2 and group.instances[0].event_queue is None
+    assert all(q is not group.instances[0].event_queue for q in feed.queues)
+
+
+def test_boundaries_alone_change_nothing_and_stretches_cover_every_request(
+    chat: Workload,
+) -> None:
+    base = SimParams(replicas=4, capacity_tokens=20_000, router_replicas=2, seed=1)
+    plain = simulate(chat, "ours", base)
+    marked = simulate(
+        chat,
+        "ours",
+        dataclasses.replace(
+            base, router_changes=(RouterChange(10.0, replicas=2), RouterChange(20.0, replicas=2))
+        ),
+    )
+    assert [r.hit_tokens for r in marked.records] == [r.hit_tokens for r in plain.records]
+    assert [r.ttft_ms for r in marked.records] == [r.ttft_ms for r in plain.records]
+    phases = phase_summaries(marked, with_tokens=True)
+    assert [(p["from_s"], p["router_replicas"]) for p in phases] == [(0, 2), (10, 2), (20, 2)]
+    assert sum(p["requests"] for p in phases) == len(chat.requests)
+    assert sum(p["hit_tokens"] for p in phases) == sum(r.hit_tokens for r in plain.records)
+    assert not plain.router_phases and "phases" not in summarize(plain, 1.0)
+    # The oracle is one instance that knows the truth: no changes, no stretches.
+    oracle = simulate(chat, "oracle", marked.params)
+    assert not oracle.router_phases
+
+
+def test_a_lone_routers_restart_costs_hits_until_its_index_fills() -> None:
+    """A fresh router does not know where its predecessor put the conversations: their next
+    turns after the restart go where it would place them new, and pay their history again
+    (0.024-0.08 of the window's hit ratio over these draws). Every request is still served."""
+    for seed in (0, 1, 2):
+        chat = PRESETS["small-multi-turn"](seed=seed)
+        base = SimParams(replicas=4, capacity_tokens=20_000, seed=seed)
+        marks = (RouterChange(8.0, replicas=1), RouterChange(14.0, replicas=1))
+        static = simulate(chat, "ours", dataclasses.replace(base, router_changes=marks))
+        restart = (RouterChange(8.0, restart=True), marks[1])
+        changed = simulate(chat, "ours", dataclasses.replace(base, router_changes=restart))
+        assert all(r.ttft_ms > 0 for r in changed.records)
+        before, window, _ = phase_summaries(changed)
+        static_before, static_window, _ = phase_summaries(static)
+        assert before == static_before
+        assert window["hit_ratio"] < static_window["hit_ratio"] - 0.01, seed
+
+
+def test_churn_scenarios_compare_each_change_with_the_same_routers_unchanged(
+    chat: Workload,
+) -> None:
+    base = SimParams(replicas=4, capacity_tokens=20_000)
+    rows = churn.run_scenarios(lambda seed: chat, base, [0], 8.0, 6.0)
+    assert [r["scenario"] for r in rows] == [s.name for s in churn.scenarios(6.0)]
+    plain_k1 = summarize(simulate(chat, "ours", base), 1.0)["hit_ratio"]
+    by_name = {r["scenario"]: r for r in rows}
+    lone = by_name["restart, one router"]
+    assert lone["before"]["hit_ratio"] == pytest.approx(plain_k1, abs=1e-4)
+    assert lone["changed"]["stretches"][0] == lone["before"]["stretches"][0]
+    assert lone["changed"]["stretches"][1] < lone["before"]["stretches"][1]
+    scale_out = by_name["scale out 2 -> 4"]
+    assert (scale_out["routers"], scale_out["routers_after"]) == (2, 4)
+    assert scale_out["before"] == by_name["rolling restart, two routers"]["before"]
+    assert scale_out["after"] == by_name["scale in 4 -> 2"]["before"]
+    assert by_name["rolling restart, two routers, peers"]["peers"]
+
+
+def test_cli_churn_and_simulate_router_changes(tmp_path, capsys) -> None:
+    out = tmp_path / "churn.json"
+    args = ["bench", "churn", "--workload", "small-multi-turn", "--replicas", "4"]
+    args += ["--capacity-tokens", "20000", "--seeds", "1", "--no-progress"]
+    assert main([*args, "--json", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    assert len(doc["scenarios"]) == 5 and doc["seeds"] == [0]
+    assert 0 < doc["at_s"] < 40 and doc["window_s"] > 0
+    assert "restart, one router" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="--at"):
+        main([*args, "--at", "100000"])
+
+    sim = ["bench", "simulate", "--workload", "small-multi-turn", "--replicas", "4"]
+    sim += ["--policies", "ours", "--no-progress", "--router-replicas", "2"]
+    out = tmp_path / "sim.json"
+    assert main([*sim, "--router-changes", "8:restart,14:3", "--json", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    phases = doc["policies"]["ours"]["phases"]
+    assert [(p["from_s"], p["router_replicas"]) for p in phases] == [(0, 2), (8, 2), (14, 3)]
+    assert doc["params"]["router_changes"] == "8:restart,14:3"
+    assert "by stretch between router changes" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="--router-changes"):
+        main([*sim, "--router-changes", "8:reboot"])
+    with pytest.raises(SystemExit, match="--sweep-k"):
+        main([*sim, "--router-changes", "8:restart", "--sweep-k", "1,2"])
