@@ -117,6 +117,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     _add_server_blocks_argument(sim)
     _add_cache_outputs_argument(sim)
     _add_kv_events_argument(sim)
+    _add_kv_events_replay_argument(sim)
     sim.add_argument(
         "--sweep-peers",
         action="store_true",
@@ -165,6 +166,7 @@ def add_churn_arguments(churn: argparse.ArgumentParser) -> None:
     _add_kv_pool_argument(churn)
     _add_cache_outputs_argument(churn)
     _add_kv_events_argument(churn)
+    _add_kv_events_replay_argument(churn)
     churn.add_argument("--json", dest="json_out", help="write results as JSON here")
     churn.add_argument("--no-progress", action="store_true", help="no progress bar")
 
@@ -201,6 +203,18 @@ def _add_kv_events_argument(parser: argparse.ArgumentParser) -> None:
         "/ BlockRemoved), each DELAY_MS after it happened: what a router subscribed to them "
         "would know (the server's cache_events section; a prompt's blocks are announced when "
         "its prefill ends); needs one KV pool",
+    )
+
+
+def _add_kv_events_replay_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--kv-events-replay",
+        type=int,
+        default=0,
+        metavar="MESSAGES",
+        help="with --kv-events: a router replica started during the run (--router-changes, "
+        "bench churn) first reads each replica's last MESSAGES event messages, as the server "
+        "asks vLLM's replay_endpoint (cache_events.replay; vLLM keeps 10000); 0: none",
     )
 
 
@@ -344,6 +358,11 @@ def run(args: argparse.Namespace) -> int:
             f"--kv-events {args.kv_events}: needs a delay >= 0 ms and one KV pool "
             "(--kv-pool preempt or shared)"
         )
+    replay = getattr(args, "kv_events_replay", 0)
+    if replay < 0 or (replay and args.kv_events is None):
+        raise SystemExit(
+            f"--kv-events-replay {replay}: a count of messages (at least 0), with --kv-events"
+        )
     if args.bench == "grid":
         return grid_command(args)
     if args.bench == "churn":
@@ -394,6 +413,7 @@ def churn_command(args: argparse.Namespace) -> int:
         kv_pool=args.kv_pool,
         cache_outputs=args.cache_outputs,
         kv_events_ms=args.kv_events,
+        kv_events_replay=args.kv_events_replay,
     )
     seeds = list(range(args.seeds))
     bar = tqdm(
@@ -411,6 +431,12 @@ def churn_command(args: argparse.Namespace) -> int:
         f"{seeds[-1]} (means); change at {at_s:g} s, window {window_s:g} s"
         + (f"; routing overrides {routing}" if routing else "")
         + _kv_events_note(args.kv_events)
+        + (
+            f"; a router started late reads each replica's last {args.kv_events_replay} "
+            "event messages first"
+            if args.kv_events_replay
+            else ""
+        )
     )
     print(churn.table(rows, at_s, window_s))
     print(f"\n{wall:.1f} s wall")
@@ -427,6 +453,7 @@ def churn_command(args: argparse.Namespace) -> int:
             "kv_pool": args.kv_pool,
             "cache_outputs": args.cache_outputs,
             "kv_events_ms": args.kv_events,
+            "kv_events_replay": args.kv_events_replay,
             "cost_model": cost.as_dict(),
             "wall_seconds": round(wall, 2),
             "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
@@ -589,6 +616,7 @@ def simulate_command(args: argparse.Namespace) -> int:
         server_blocks=args.server_blocks,
         cache_outputs=args.cache_outputs,
         kv_events_ms=args.kv_events,
+        kv_events_replay=args.kv_events_replay,
         router_changes=changes,
     )
     ks = _int_list("--sweep-k", args.sweep_k) if args.sweep_k else []
@@ -647,6 +675,7 @@ def simulate_command(args: argparse.Namespace) -> int:
             "server_blocks": args.server_blocks,
             "cache_outputs": args.cache_outputs,
             "kv_events_ms": args.kv_events,
+            "kv_events_replay": args.kv_events_replay,
             "router_changes": args.router_changes,
         },
         "wall_seconds": round(time.perf_counter() - started, 2),

@@ -178,3 +178,56 @@ def test_cli_churn_and_simulate_router_changes(tmp_path, capsys) -> None:
         main([*sim, "--router-changes", "8:reboot"])
     with pytest.raises(SystemExit, match="--sweep-k"):
         main([*sim, "--router-changes", "8:restart", "--sweep-k", "1,2"])
+
+
+def test_a_router_started_late_replays_what_the_replicas_still_buffer(chat: Workload) -> None:
+    """With KV-cache events and replay (vLLM's replay_endpoint), a restarted router reads
+    the replicas' buffered messages first, so its index starts with what they hold; the
+    buffer keeps only the last N messages of each replica."""
+    entries = {}
+    for replay in (0, 10_000, 2):
+        ctx = PolicyContext(
+            [Replica(i, 20_000, CostModel(), "preempt") for i in range(4)],
+            random.Random(0),
+            20_000,
+            cache_events_delay=0.05,
+            cache_events_replay=replay,
+        )
+        group = make_policy("ours", ctx, 1, 16)
+        feed = group.instances[0].cache_events
+        for r in range(len(ctx.replicas)):
+            for chunk in range(5):
+                ctx.now = chunk * 0.1
+                feed._publish(r, [(True, 1000 * r + chunk, 16)])
+        assert all(len(b) == min(replay, 5) for b in feed.buffers)
+        group.restart()
+        fresh = group.instances[-1]
+        assert len(fresh.event_queue) == 4 * min(replay, 5)
+        times = [message[0] for message in fresh.event_queue]
+        assert times == sorted(times)
+        entries[replay] = len(fresh.event_queue)
+    assert entries[10_000] > entries[2] > entries[0] == 0
+
+
+def test_replayed_events_take_most_of_a_lone_routers_restart_cost_away() -> None:
+    for seed in (0, 1, 2):
+        chat = PRESETS["small-multi-turn"](seed=seed)
+        base = SimParams(replicas=4, capacity_tokens=20_000, seed=seed, kv_events_ms=50.0)
+        changes = (RouterChange(8.0, restart=True), RouterChange(14.0, replicas=1))
+        window = {}
+        for replay in (0, 10_000):
+            params = dataclasses.replace(base, router_changes=changes, kv_events_replay=replay)
+            window[replay] = phase_summaries(simulate(chat, "ours", params))[1]["hit_ratio"]
+        assert window[10_000] > window[0] + 0.02, seed
+
+
+def test_cli_kv_events_replay_needs_kv_events(tmp_path) -> None:
+    sim = ["bench", "simulate", "--workload", "small-multi-turn", "--replicas", "4"]
+    sim += ["--policies", "ours", "--no-progress", "--router-changes", "8:restart"]
+    with pytest.raises(SystemExit, match="--kv-events-replay"):
+        main([*sim, "--kv-events-replay", "100"])
+    with pytest.raises(SystemExit, match="--kv-events-replay"):
+        main([*sim, "--kv-events", "50", "--kv-events-replay", "-1"])
+    out = tmp_path / "sim.json"
+    assert main([*sim, "--kv-events", "50", "--kv-events-replay", "100", "--json", str(out)]) == 0
+    assert json.loads(out.read_text())["params"]["kv_events_replay"] == 100

@@ -98,6 +98,10 @@ class SimParams:
     # BlockRemoved), each this many ms after it happened; None: they do not (the default,
     # as the server's cache_events section is optional: it needs the model's files).
     kv_events_ms: float | None = None
+    # With kv_events_ms: each replica keeps its last this-many event messages, and a router
+    # replica that starts during the run (router_changes) reads them first, as the server
+    # asks vLLM's replay_endpoint (cache_events.replay; vLLM keeps 10,000); 0: it does not.
+    kv_events_replay: int = 0
     # The router replicas scale or restart during the run (RouterChange); policies that
     # know the truth (the oracle) are one instance and ignore them.
     router_changes: tuple[RouterChange, ...] = ()
@@ -160,6 +164,7 @@ def simulate(
         share_placements=params.share_placements,
         server_blocks=params.server_blocks,
         cache_events_delay=None if params.kv_events_ms is None else params.kv_events_ms / 1000.0,
+        cache_events_replay=params.kv_events_replay,
         labelling=params.seed if workload.fixed else 0,
     )
     chunk_tokens = requests[0].chunk_tokens if requests else 16

@@ -16,6 +16,7 @@ the others read none.
 from __future__ import annotations
 
 import bisect
+import heapq
 import math
 import random
 from collections import deque
@@ -64,6 +65,9 @@ class PolicyContext:
     # Ours' router replicas read the replicas' KV-cache events this long (seconds) after
     # they happen (SimParams.kv_events_ms); None: they do not.
     cache_events_delay: float | None = None
+    # ... and a router that starts late reads the last this-many messages of each replica
+    # first (SimParams.kv_events_replay); 0: only what is published after it starts.
+    cache_events_replay: int = 0
     # Which names the replicas go by (0: the names of every run before Dec 7's fortieth
     # session). Policies that hash names (ours' rendezvous order, the hash ring) place keys
     # by them, so each naming is one draw of a deployment's addresses; the engine draws it
@@ -462,21 +466,36 @@ class CacheEventFeed:
     block never hashed by a router (a reply not yet carried back, a prompt's partial last
     chunk) is left out."""
 
-    def __init__(self, ctx: PolicyContext, delay: float) -> None:
+    def __init__(self, ctx: PolicyContext, delay: float, replay: int = 0) -> None:
         self.ctx = ctx
         self.delay = delay
         self.queues: list[deque[tuple[float, int, list[tuple[bool, int, int]]]]] = []
+        # Each replica's last ``replay`` messages, for a subscriber that starts late (vLLM's
+        # replay_endpoint keeps buffer_steps of them; the server's subscriber asks for them
+        # when its first message shows a gap, cache_subscriber.py). A message here is one
+        # batch a replica publishes (a prefill's stored blocks, an eviction's removals).
+        self.replay = replay
+        self.buffers: list[deque[tuple[float, int, list[tuple[bool, int, int]]]]] = [
+            deque(maxlen=replay) for _ in ctx.replicas
+        ]
         # chunk id -> the router's block hashes of its whole blocks
         self.chunk_hashes: dict[int, np.ndarray] = {}
         for r, replica in enumerate(ctx.replicas):
             replica.listen_cache_events(lambda events, r=r: self._publish(r, events))
 
     def _publish(self, replica: int, events: list[tuple[bool, int, int]]) -> None:
+        message = (self.ctx.now, replica, events)
         for queue in self.queues:
-            queue.append((self.ctx.now, replica, events))
+            queue.append(message)
+        if self.replay:
+            self.buffers[replica].append(message)
 
     def subscribe(self) -> deque[tuple[float, int, list[tuple[bool, int, int]]]]:
-        queue: deque[tuple[float, int, list[tuple[bool, int, int]]]] = deque()
+        """A new subscriber's queue; with replay, what the replicas still buffer comes first
+        (in time order), as a router started late asks for it."""
+        queue: deque[tuple[float, int, list[tuple[bool, int, int]]]] = deque(
+            heapq.merge(*self.buffers, key=lambda message: message[0])
+        )
         self.queues.append(queue)
         return queue
 
@@ -753,7 +772,7 @@ def make_policy(
     prompts = PromptBytes()
     if name == "ours":
         feed = (
-            CacheEventFeed(ctx, ctx.cache_events_delay)
+            CacheEventFeed(ctx, ctx.cache_events_delay, ctx.cache_events_replay)
             if ctx.cache_events_delay is not None
             else None
         )
