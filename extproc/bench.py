@@ -405,16 +405,7 @@ def churn_command(args: argparse.Namespace) -> int:
         )
     cost = _cost_model(args.cost)
     routing = routing_overrides(args.routing)
-    base = SimParams(
-        replicas=args.replicas,
-        capacity_tokens=args.capacity_tokens,
-        cost=cost,
-        routing=RoutingConfig(**routing),
-        kv_pool=args.kv_pool,
-        cache_outputs=args.cache_outputs,
-        kv_events_ms=args.kv_events,
-        kv_events_replay=args.kv_events_replay,
-    )
+    base = _sim_params(args, cost, routing)
     seeds = list(range(args.seeds))
     bar = tqdm(
         total=churn.runs_needed(args.seeds),
@@ -582,6 +573,20 @@ def _peer_sweep_runs(args: argparse.Namespace, names: list[str], ks: list[int]) 
     return [k for k in ks if k != 1]
 
 
+def _sim_params(args: argparse.Namespace, cost: CostModel, routing: dict[str, Any]) -> SimParams:
+    """What `simulate` and `churn` set alike from their flags."""
+    return SimParams(
+        replicas=args.replicas,
+        capacity_tokens=args.capacity_tokens,
+        cost=cost,
+        routing=RoutingConfig(**routing),
+        kv_pool=args.kv_pool,
+        cache_outputs=args.cache_outputs,
+        kv_events_ms=args.kv_events,
+        kv_events_replay=args.kv_events_replay,
+    )
+
+
 def _router_changes(args: argparse.Namespace) -> tuple[RouterChange, ...]:
     if not args.router_changes:
         return ()
@@ -602,21 +607,14 @@ def simulate_command(args: argparse.Namespace) -> int:
     cost = _cost_model(args.cost)
     routing = routing_overrides(args.routing)
     changes = _router_changes(args)
-    params = SimParams(
-        replicas=args.replicas,
-        capacity_tokens=args.capacity_tokens,
+    params = dataclasses.replace(
+        _sim_params(args, cost, routing),
         router_replicas=args.router_replicas,
         seed=args.seed,
-        cost=cost,
-        routing=RoutingConfig(**routing),
         audit=args.audit,
         share_queues=args.share_queues,
         share_placements=args.share_placements,
-        kv_pool=args.kv_pool,
         server_blocks=args.server_blocks,
-        cache_outputs=args.cache_outputs,
-        kv_events_ms=args.kv_events,
-        kv_events_replay=args.kv_events_replay,
         router_changes=changes,
     )
     ks = _int_list("--sweep-k", args.sweep_k) if args.sweep_k else []
