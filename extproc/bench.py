@@ -90,9 +90,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="TIME:WHAT,...",
         help="the router replicas change during the run, at simulated seconds TIME: "
         "'restart' replaces the oldest with a fresh one (empty index: a rolling restart's "
-        "step), a count scales to it (fresh ones join, the newest leave; the current count: "
-        "a boundary only); e.g. 300:restart,330:restart. Adds a table by stretch between "
-        "changes",
+        "step), 'restart+S' lets the fresh one join S seconds before the oldest leaves (a "
+        "surge pod), a count scales to it (fresh ones join, the newest leave; the current "
+        "count: a boundary only); e.g. 300:restart,330:restart. Adds a table by stretch "
+        "between changes",
     )
     sim.add_argument("--speedup", type=float, default=1.0, help="trace time compression")
     sim.add_argument(
@@ -395,18 +396,21 @@ def churn_command(args: argparse.Namespace) -> int:
             return drawn[seed]
 
     first = workload_for_seed(0)
-    span = max((r.arrival_s for r in first.requests), default=0.0)
-    at_s = args.at if args.at is not None else round(0.3 * span)
-    window_s = args.window if args.window is not None else round(0.15 * span)
-    if not 0 < at_s < span or window_s <= 0:
+    seeds = list(range(args.seeds))
+    # The shortest draw: every seed must have requests after the window.
+    span = min(
+        max((r.arrival_s for r in workload_for_seed(seed).requests), default=0.0) for seed in seeds
+    )
+    at_s = args.at if args.at is not None else round(0.3 * span, 1)
+    window_s = args.window if args.window is not None else round(0.15 * span, 1)
+    if not (at_s > 0 and window_s > 0 and at_s + window_s < span):
         raise SystemExit(
-            f"--at {at_s:g} / --window {window_s:g}: the change must fall inside the run "
-            f"(arrivals span 0-{span:g} s) and the window be positive"
+            f"--at {at_s:g} / --window {window_s:g} (defaults: 30 % and 15 % of the run): the "
+            f"change and its window must end inside every seed's arrivals (0-{span:g} s)"
         )
     cost = _cost_model(args.cost)
     routing = routing_overrides(args.routing)
     base = _sim_params(args, cost, routing)
-    seeds = list(range(args.seeds))
     bar = tqdm(
         total=churn.runs_needed(args.seeds),
         unit="run",
@@ -607,6 +611,11 @@ def simulate_command(args: argparse.Namespace) -> int:
     cost = _cost_model(args.cost)
     routing = routing_overrides(args.routing)
     changes = _router_changes(args)
+    if args.kv_events_replay and not changes:
+        raise SystemExit(
+            "--kv-events-replay matters only to a router that starts during the run: "
+            "add --router-changes"
+        )
     params = dataclasses.replace(
         _sim_params(args, cost, routing),
         router_replicas=args.router_replicas,

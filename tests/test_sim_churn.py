@@ -11,7 +11,7 @@ import pytest
 from extproc.cli import main
 from extproc.sim import churn
 from extproc.sim.engine import RouterChange, SimParams, parse_router_changes, simulate
-from extproc.sim.policies import CacheEventFeed, PolicyContext, make_policy
+from extproc.sim.policies import CacheEventFeed, PolicyContext, RouterGroup, make_policy
 from extproc.sim.replica import CostModel, Replica
 from extproc.sim.report import phase_summaries, summarize
 from extproc.sim.workloads import PRESETS, Workload
@@ -39,7 +39,22 @@ def test_router_changes_parse_in_time_order_and_name_the_flag() -> None:
         RouterChange(90.0, replicas=4),
         RouterChange(90.0, replicas=2),
     )
-    for bad in ("", "60", "x:restart", "-1:2", "60:0", "60:reboot", "90:2,60:restart", "inf:2"):
+    assert parse_router_changes("5:restart+2.5") == (
+        RouterChange(5.0, restart=True, overlap_s=2.5),
+    )
+    for bad in (
+        "",
+        "60",
+        "x:restart",
+        "-1:2",
+        "60:0",
+        "60:reboot",
+        "90:2,60:restart",
+        "inf:2",
+        "60:restart+",
+        "60:restart+-1",
+        "60:restart+x",
+    ):
         with pytest.raises(ValueError, match="--router-changes"):
             parse_router_changes(bad)
 
@@ -87,9 +102,11 @@ def test_a_retired_router_no_longer_queues_cache_events() -> None:
     group = make_policy("ours", ctx, 2, 16)
     feed = group.instances[0].cache_events
     assert isinstance(feed, CacheEventFeed) and len(feed.queues) == 2
+    retired = group.instances[0].event_queue
     group.restart()
     assert len(feed.queues) == 2 and group.instances[0].event_queue is None
-    assert all(q is not group.instances[0].event_queue for q in feed.queues)
+    assert all(q is not retired for q in feed.queues)
+    assert any(q is group.instances[2].event_queue for q in feed.queues)
 
 
 def test_boundaries_alone_change_nothing_and_stretches_cover_every_request(
@@ -159,11 +176,13 @@ def test_cli_churn_and_simulate_router_changes(tmp_path, capsys) -> None:
     args += ["--capacity-tokens", "20000", "--seeds", "1", "--no-progress"]
     assert main([*args, "--json", str(out)]) == 0
     doc = json.loads(out.read_text())
-    assert len(doc["scenarios"]) == 5 and doc["seeds"] == [0]
+    assert len(doc["scenarios"]) == 6 and doc["seeds"] == [0]
     assert 0 < doc["at_s"] < 40 and doc["window_s"] > 0
     assert "restart, one router" in capsys.readouterr().out
     with pytest.raises(SystemExit, match="--at"):
         main([*args, "--at", "100000"])
+    with pytest.raises(SystemExit, match="every seed's arrivals"):
+        main([*args, "--at", "20", "--window", "15"])  # past the end of the run
 
     sim = ["bench", "simulate", "--workload", "small-multi-turn", "--replicas", "4"]
     sim += ["--policies", "ours", "--no-progress", "--router-replicas", "2"]
@@ -180,33 +199,41 @@ def test_cli_churn_and_simulate_router_changes(tmp_path, capsys) -> None:
         main([*sim, "--router-changes", "8:restart", "--sweep-k", "1,2"])
 
 
+def _fresh_router_after_events(chat: Workload, replay: int):
+    """One router routes 20 requests and the replicas announce their blocks; then it is
+    restarted and its successor routes one request: (its queue before that, its index)."""
+    ctx = PolicyContext(
+        [Replica(i, 20_000, CostModel(), "preempt") for i in range(4)],
+        random.Random(0),
+        20_000,
+        cache_events_delay=0.05,
+        cache_events_replay=replay,
+    )
+    group = make_policy("ours", ctx, 1, 16)
+    feed = group.instances[0].cache_events
+    for request in chat.requests[:20]:
+        ctx.now = request.arrival_s
+        replica, _ = group.route(request, ctx.now)
+        feed._publish(replica, [(True, chunk, request.chunk_tokens) for chunk in request.ids])
+    group.restart()
+    fresh = group.instances[-1]
+    queued = [message[0] for message in fresh.event_queue]
+    assert queued == sorted(queued)  # in time order across the replicas
+    ctx.now += 1.0
+    group.route(chat.requests[20], ctx.now)
+    return len(queued), fresh.router.index.stats().entries
+
+
 def test_a_router_started_late_replays_what_the_replicas_still_buffer(chat: Workload) -> None:
     """With KV-cache events and replay (vLLM's replay_endpoint), a restarted router reads
     the replicas' buffered messages first, so its index starts with what they hold; the
     buffer keeps only the last N messages of each replica."""
-    entries = {}
-    for replay in (0, 10_000, 2):
-        ctx = PolicyContext(
-            [Replica(i, 20_000, CostModel(), "preempt") for i in range(4)],
-            random.Random(0),
-            20_000,
-            cache_events_delay=0.05,
-            cache_events_replay=replay,
-        )
-        group = make_policy("ours", ctx, 1, 16)
-        feed = group.instances[0].cache_events
-        for r in range(len(ctx.replicas)):
-            for chunk in range(5):
-                ctx.now = chunk * 0.1
-                feed._publish(r, [(True, 1000 * r + chunk, 16)])
-        assert all(len(b) == min(replay, 5) for b in feed.buffers)
-        group.restart()
-        fresh = group.instances[-1]
-        assert len(fresh.event_queue) == 4 * min(replay, 5)
-        times = [message[0] for message in fresh.event_queue]
-        assert times == sorted(times)
-        entries[replay] = len(fresh.event_queue)
-    assert entries[10_000] > entries[2] > entries[0] == 0
+    none, alone = _fresh_router_after_events(chat, 0)
+    two, some = _fresh_router_after_events(chat, 2)
+    every, full = _fresh_router_after_events(chat, 10_000)
+    assert none == 0 and 0 < two <= 2 * 4 and every == 20
+    assert alone > 0  # the request it routed itself
+    assert full > some > alone
 
 
 def test_replayed_events_take_most_of_a_lone_routers_restart_cost_away() -> None:
@@ -228,6 +255,60 @@ def test_cli_kv_events_replay_needs_kv_events(tmp_path) -> None:
         main([*sim, "--kv-events-replay", "100"])
     with pytest.raises(SystemExit, match="--kv-events-replay"):
         main([*sim, "--kv-events", "50", "--kv-events-replay", "-1"])
+    without_changes = [a for a in sim if a not in ("--router-changes", "8:restart")]
+    with pytest.raises(SystemExit, match="add --router-changes"):
+        main([*without_changes, "--kv-events", "50", "--kv-events-replay", "100"])
     out = tmp_path / "sim.json"
     assert main([*sim, "--kv-events", "50", "--kv-events-replay", "100", "--json", str(out)]) == 0
     assert json.loads(out.read_text())["params"]["kv_events_replay"] == 100
+
+
+def test_a_surge_restart_routes_beside_the_old_router_then_retires_it(chat: Workload) -> None:
+    """restart+S: the fresh router joins at once and the oldest leaves S seconds later (a
+    rollout with maxSurge 1); every request is served, and only the overlap has three."""
+    base = SimParams(replicas=4, capacity_tokens=20_000, router_replicas=2, seed=1)
+    changes = parse_router_changes("8:restart+3,14:2")
+    result = simulate(chat, "ours", dataclasses.replace(base, router_changes=changes))
+    assert all(r.ttft_ms > 0 for r in result.records)
+    assert result.router_phases == [(0.0, 2), (8.0, 3), (11.0, 2), (14.0, 2)]
+    _, group = _group(2)
+    group.join()
+    assert group.active == [0, 1, 2]
+    group.leave(0)
+    assert group.active == [1, 2]
+    group.leave(1)
+    group.leave(2)  # never the last one
+    assert group.active == [2]
+
+
+def test_a_change_after_the_last_request_does_not_lengthen_the_run(chat: Workload) -> None:
+    base = SimParams(replicas=4, capacity_tokens=20_000, router_replicas=2, seed=1)
+    plain = simulate(chat, "ours", base)
+    late = simulate(
+        chat, "ours", dataclasses.replace(base, router_changes=(RouterChange(1000.0, 2),))
+    )
+    assert late.sim_seconds == plain.sim_seconds < 1000
+    phases = phase_summaries(late)
+    assert phases[-1]["requests"] == 0 and phases[-1]["hit_ratio"] is None
+
+
+def test_a_request_arriving_at_a_changes_instant_goes_to_the_routers_after_it(
+    chat: Workload, monkeypatch
+) -> None:
+    at = chat.requests[30].arrival_s
+    routed_by: dict[int, int] = {}
+    route = RouterGroup.route
+
+    def noting(self, request, now):
+        replica, handle = route(self, request, now)
+        routed_by[request.rid] = handle[0]
+        return replica, handle
+
+    monkeypatch.setattr(RouterGroup, "route", noting)
+    base = SimParams(replicas=4, capacity_tokens=20_000, seed=1)
+    result = simulate(
+        chat, "ours", dataclasses.replace(base, router_changes=(RouterChange(at, restart=True),))
+    )
+    before, after = phase_summaries(result)
+    assert before["requests"] == 30 and after["requests"] == len(chat.requests) - 30
+    assert routed_by[chat.requests[29].rid] == 0 and routed_by[chat.requests[30].rid] == 1

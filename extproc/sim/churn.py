@@ -19,6 +19,10 @@ from .engine import RouterChange, SimParams, simulate
 from .report import percentile, phase_summaries
 from .workloads import Workload
 
+# How long a rolled router's successor routes beside it (a pod's readiness to its
+# predecessor's removal from the gateway's endpoints; a few seconds, assumed).
+SURGE_OVERLAP_S = 5.0
+
 
 @dataclass(frozen=True)
 class Scenario:
@@ -40,14 +44,23 @@ class Scenario:
 def scenarios(window_s: float) -> list[Scenario]:
     """A deployment's router changes: a lone router restarted (an upgrade, a crash); a
     high-availability pair rolled one after the other (the second a quarter of the window
-    after the first), without and with ``peers``; a scale-out 2 -> 4 and a scale-in 4 -> 2."""
+    after the first), without and with ``peers``, each old one gone as its successor
+    starts, and with ``peers`` as the shipped Deployment rolls (maxSurge 1: the successor
+    routes SURGE_OVERLAP_S beside it first); a scale-out 2 -> 4 and a scale-in 4 -> 2."""
     restart = RouterChange(0.0, restart=True)
+    surge = RouterChange(0.0, restart=True, overlap_s=SURGE_OVERLAP_S)
     second = window_s / 4
     return [
         Scenario("restart, one router", 1, False, ((0.0, restart),)),
         Scenario("rolling restart, two routers", 2, False, ((0.0, restart), (second, restart))),
         Scenario(
             "rolling restart, two routers, peers", 2, True, ((0.0, restart), (second, restart))
+        ),
+        Scenario(
+            f"rolling, {SURGE_OVERLAP_S:g} s overlap, peers",
+            2,
+            True,
+            ((0.0, surge), (second, surge)),
         ),
         Scenario("scale out 2 -> 4", 2, False, ((0.0, RouterChange(0.0, replicas=4)),)),
         Scenario("scale in 4 -> 2", 4, False, ((0.0, RouterChange(0.0, replicas=2)),)),
@@ -68,15 +81,22 @@ def _changes(
     return (*steps, RouterChange(at_s + window_s, replicas=scenario.routers_after))
 
 
-def _stretches(phases: list[dict[str, Any]], at_s: float, window_s: float) -> list[float]:
+def _stretches(phases: list[dict[str, Any]], at_s: float, window_s: float) -> list[float | None]:
     """Hit ratio of the requests before ``at_s``, in the window after it, and after that,
-    from the run's stretches (a rolling restart's second step splits the window: merged)."""
-    out = []
+    from the run's stretches (a rolling restart's second step splits the window: merged);
+    None where no request arrived."""
+    out: list[float | None] = []
     for start, end in ((0.0, at_s), (at_s, at_s + window_s), (at_s + window_s, float("inf"))):
         chosen = [p for p in phases if start <= p["from_s"] < end]
         prompt = sum(p["prompt_tokens"] for p in chosen)
-        out.append(sum(p["hit_tokens"] for p in chosen) / prompt if prompt else 0.0)
+        out.append(sum(p["hit_tokens"] for p in chosen) / prompt if prompt else None)
     return out
+
+
+def _mean(values: list[float | None]) -> float | None:
+    """The mean of the seeds that had requests there (None if none had)."""
+    present = [v for v in values if v is not None]
+    return round(statistics.fmean(present), 4) if present else None
 
 
 def run_scenarios(
@@ -134,9 +154,7 @@ def run_scenarios(
         }
         for label, figures in runs.items():
             row[label] = {
-                "stretches": [
-                    round(statistics.fmean(f["stretches"][i] for f in figures), 4) for i in range(3)
-                ],
+                "stretches": [_mean([f["stretches"][i] for f in figures]) for i in range(3)],
                 "hit_ratio": round(statistics.fmean(f["hit_ratio"] for f in figures), 4),
                 "ttft_p99_ms": round(statistics.fmean(f["ttft_p99_ms"] for f in figures), 1),
                 "per_seed_hit_ratio": [round(f["hit_ratio"], 4) for f in figures],
@@ -167,9 +185,9 @@ def table(rows: list[dict[str, Any]], at_s: float, window_s: float) -> str:
             labels.append(("after", f"static K={row['routers_after']}"))
         for i, (key, label) in enumerate(labels):
             figures = row[key]
-            s = figures["stretches"]
+            s = ["-" if v is None else f"{v:.4f}" for v in figures["stretches"]]
             lines.append(
-                f"{row['scenario'] if i == 0 else '':38}{label:>12}{s[0]:>12.4f}{s[1]:>14.4f}"
-                f"{s[2]:>12.4f}{figures['hit_ratio']:>9.4f}{figures['ttft_p99_ms']:>10.0f}"
+                f"{row['scenario'] if i == 0 else '':38}{label:>12}{s[0]:>12}{s[1]:>14}"
+                f"{s[2]:>12}{figures['hit_ratio']:>9.4f}{figures['ttft_p99_ms']:>10.0f}"
             )
     return "\n".join(lines)

@@ -26,11 +26,22 @@ class RouterChange:
     """At ``at_s`` (simulated seconds), the router replicas become ``replicas`` (fresh ones
     join, the newest leave), or with ``restart`` the oldest is replaced by a fresh one: a
     deployment of routers scaling or rolling. Fresh means as a started process is: an empty
-    index, its traffic share unmeasured. The count it had is a phase boundary alone."""
+    index, its traffic share unmeasured. The count it had is a phase boundary alone. With
+    ``overlap_s`` the fresh one joins at ``at_s`` and the oldest leaves that much later, as
+    a Kubernetes rollout with maxSurge 1 replaces a pod once its successor is ready."""
 
     at_s: float
     replicas: int | None = None
     restart: bool = False
+    overlap_s: float = 0.0
+
+
+@dataclass(frozen=True)
+class _Leave:
+    """An overlapping restart's second half: router instance ``instance`` leaves."""
+
+    at_s: float
+    instance: int
 
 
 def parse_router_changes(spec: str) -> tuple[RouterChange, ...]:
@@ -48,14 +59,19 @@ def parse_router_changes(spec: str) -> tuple[RouterChange, ...]:
                 f"--router-changes: {item!r} is not TIME:restart or TIME:COUNT "
                 "(TIME in simulated seconds, at least 0)"
             )
-        if what.strip() == "restart":
-            change = RouterChange(at_s, restart=True)
+        restart, plus, overlap = what.strip().partition("+")
+        try:
+            overlap_s = float(overlap) if plus else 0.0
+        except ValueError:
+            overlap_s = math.nan
+        if restart == "restart" and math.isfinite(overlap_s) and overlap_s >= 0:
+            change = RouterChange(at_s, restart=True, overlap_s=overlap_s)
         elif what.strip().isdigit() and int(what) >= 1:
             change = RouterChange(at_s, replicas=int(what))
         else:
             raise ValueError(
-                f"--router-changes: {item!r}: after the time, 'restart' or a count of router "
-                "replicas (at least 1)"
+                f"--router-changes: {item!r}: after the time, 'restart', 'restart+SECONDS' "
+                "(the old one leaves that much later) or a count of router replicas (at least 1)"
             )
         if changes and at_s < changes[-1].at_s:
             raise ValueError(f"--router-changes: {item!r} comes before the change ahead of it")
@@ -173,15 +189,19 @@ def simulate(
     handles: dict[int, object] = {}
     # (time ms, sequence, kind, request (ROUTERS: the change), the request's epoch, GROW's
     # output token)
-    heap: list[tuple[float, int, int, SimRequest | RouterChange, int, int]] = []
+    heap: list[tuple[float, int, int, SimRequest | RouterChange | _Leave, int, int]] = []
     seq = 0
     for request in requests:
         heap.append((request.arrival_s * 1000.0, seq, ARRIVAL, request, 0, 0))
         seq += 1
     changeable = router.changeable
-    for change in params.router_changes if changeable else ():
-        heap.append((change.at_s * 1000.0, seq, ROUTERS, change, 0, 0))
-        seq += 1
+    # Router changes go before anything else at their time (negative sequence numbers): a
+    # request arriving at a change's instant is routed by the routers after it, as the
+    # stretch it is counted in says.
+    changes = params.router_changes if changeable else ()
+    for i, change in enumerate(changes):
+        heap.append((change.at_s * 1000.0, i - len(changes), ROUTERS, change, 0, 0))
+    leave_seq = -len(changes)
     heapq.heapify(heap)
     started: set[int] = set()
     phases = [(0.0, len(router.active))]
@@ -215,18 +235,27 @@ def simulate(
 
     audit: dict[str, RuleAudit] = {}
     block_tokens = params.cost.kv_block_tokens
-    arrived, now = 0, 0.0
+    arrived, now, last_ms = 0, 0.0, 0.0  # last_ms: the last request event (not a change)
     while heap:
         now, _, kind, request, epoch, token = heapq.heappop(heap)
         ctx.now = now / 1000.0
         if kind == ROUTERS:
-            assert isinstance(request, RouterChange)
-            if request.restart:
-                router.restart()
-            elif request.replicas is not None:
-                router.resize(request.replicas)
+            if isinstance(request, _Leave):
+                router.leave(request.instance)
+            else:
+                assert isinstance(request, RouterChange)
+                if request.restart and request.overlap_s > 0:
+                    leaving = _Leave(request.at_s + request.overlap_s, router.active[0])
+                    router.join()
+                    leave_seq -= 1
+                    heapq.heappush(heap, (leaving.at_s * 1000.0, leave_seq, ROUTERS, leaving, 0, 0))
+                elif request.restart:
+                    router.restart()
+                elif request.replicas is not None:
+                    router.resize(request.replicas)
             phases.append((request.at_s, len(router.active)))
             continue
+        last_ms = now
         if kind != ARRIVAL:
             replica = replicas[records[request.rid].replica]
             if replica.preempts and epoch != replica.epoch(request):
@@ -280,7 +309,7 @@ def simulate(
         replicas,
         requests,
         router.rules(),
-        now / 1000.0,
+        last_ms / 1000.0,
         audit,
         phases if changeable and params.router_changes else [],
     )

@@ -707,6 +707,22 @@ class RouterGroup:
         if self.link_peers:
             self._link_peers()
 
+    def join(self) -> None:
+        """A fresh instance joins (a surge pod, before the one it replaces leaves)."""
+        if self.build is None:
+            raise ValueError("cannot add to this group")
+        self._add()
+        if self.link_peers:
+            self._link_peers()
+
+    def leave(self, k: int) -> None:
+        """Instance ``k`` leaves, if it still routes and is not the last."""
+        if k in self.active and len(self.active) > 1:
+            self.active.remove(k)
+            self._retire(k)
+            if self.link_peers:
+                self._link_peers()
+
     def _add(self) -> None:
         assert self.build is not None
         self.instances.append(self.build())
@@ -719,8 +735,8 @@ class RouterGroup:
 
     def _link_peers(self) -> None:
         """Ours' peers (config ``peers``): each active instance reads the other active ones.
-        A retired one drops out at once (a real one is forgotten PEER_FORGET_SECONDS after
-        it falls silent)."""
+        A retired one is read no more; its last figures count until the others forget it
+        (PEER_FORGET_SECONDS), as a silent peer's do."""
         active = [self.instances[k] for k in self.active]
         for instance in active:
             instance.peers = [p for p in active if p is not instance]

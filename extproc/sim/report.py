@@ -77,9 +77,10 @@ def phase_summaries(result: RunResult, with_tokens: bool = False) -> list[dict[s
             "to_s": None if math.isinf(end) else end,
             "router_replicas": routers,
             "requests": len(picked),
-            "hit_ratio": round(hits / prompt, 4) if prompt else 0.0,
-            "ttft_p50_ms": round(percentile(ttft, 50), 1),
-            "ttft_p99_ms": round(percentile(ttft, 99), 1),
+            # None for a stretch no request arrived in (not a hit ratio of 0)
+            "hit_ratio": round(hits / prompt, 4) if prompt else None,
+            "ttft_p50_ms": round(percentile(ttft, 50), 1) if ttft else None,
+            "ttft_p99_ms": round(percentile(ttft, 99), 1) if ttft else None,
         }
         if with_tokens:
             phase["hit_tokens"], phase["prompt_tokens"] = hits, prompt
@@ -97,10 +98,16 @@ def phases_table(results: dict[str, dict[str, Any]]) -> str:
     for name, summary in results.items():
         for phase in summary.get("phases", []):
             end = "end" if phase["to_s"] is None else f"{phase['to_s']:g}"
+            if phase["requests"]:
+                figures = (
+                    f"{phase['hit_ratio']:>8.3f}{phase['ttft_p50_ms']:>9.0f}"
+                    f"{phase['ttft_p99_ms']:>9.0f}"
+                )
+            else:
+                figures = f"{'-':>8}{'-':>9}{'-':>9}"
             lines.append(
                 f"{name:18}{phase['from_s']:>8g}{end:>8}{phase['router_replicas']:>4}"
-                f"{phase['requests']:>10}{phase['hit_ratio']:>8.3f}"
-                f"{phase['ttft_p50_ms']:>9.0f}{phase['ttft_p99_ms']:>9.0f}"
+                f"{phase['requests']:>10}{figures}"
             )
     return "\n".join(lines)
 
