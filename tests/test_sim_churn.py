@@ -271,6 +271,10 @@ def test_a_surge_restart_routes_beside_the_old_router_then_retires_it(chat: Work
     result = simulate(chat, "ours", dataclasses.replace(base, router_changes=changes))
     assert all(r.ttft_ms > 0 for r in result.records)
     assert result.router_phases == [(0.0, 2), (8.0, 3), (11.0, 2), (14.0, 2)]
+    # Two overlaps that overlap: each retires its own predecessor.
+    changes = parse_router_changes("8:restart+4,10:restart+4")
+    result = simulate(chat, "ours", dataclasses.replace(base, router_changes=changes))
+    assert result.router_phases == [(0.0, 2), (8.0, 3), (10.0, 4), (12.0, 3), (14.0, 2)]
     _, group = _group(2)
     group.join()
     assert group.active == [0, 1, 2]

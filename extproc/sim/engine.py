@@ -202,6 +202,7 @@ def simulate(
     for i, change in enumerate(changes):
         heap.append((change.at_s * 1000.0, i - len(changes), ROUTERS, change, 0, 0))
     leave_seq = -len(changes)
+    going: set[int] = set()  # router instances an overlapping restart will retire
     heapq.heapify(heap)
     started: set[int] = set()
     phases = [(0.0, len(router.active))]
@@ -245,7 +246,10 @@ def simulate(
             else:
                 assert isinstance(request, RouterChange)
                 if request.restart and request.overlap_s > 0:
-                    leaving = _Leave(request.at_s + request.overlap_s, router.active[0])
+                    # The oldest not already on its way out (overlaps may overlap).
+                    oldest = next(k for k in router.active if k not in going)
+                    going.add(oldest)
+                    leaving = _Leave(request.at_s + request.overlap_s, oldest)
                     router.join()
                     leave_seq -= 1
                     heapq.heappush(heap, (leaving.at_s * 1000.0, leave_seq, ROUTERS, leaving, 0, 0))
