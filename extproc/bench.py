@@ -381,19 +381,10 @@ def churn_command(args: argparse.Namespace) -> int:
         raise SystemExit(f"--json {args.json_out}: no such directory")
     if args.seeds < 1:
         raise SystemExit(f"--seeds {args.seeds}: at least 1")
-    if args.trace:
-        trace = load_mooncake(args.trace)
+    name = "mooncake" if args.trace else args.workload
 
-        def workload_for_seed(seed: int) -> Workload:
-            return trace
-    else:
-        preset = PRESETS[args.workload]
-        drawn: dict[int, Workload] = {}
-
-        def workload_for_seed(seed: int) -> Workload:
-            if seed not in drawn:
-                drawn[seed] = preset(seed=seed)
-            return drawn[seed]
+    def workload_for_seed(seed: int) -> Workload:
+        return sim_grid.workload_for(name, args.trace, seed)
 
     first = workload_for_seed(0)
     seeds = list(range(args.seeds))

@@ -87,21 +87,26 @@ def cells(workloads: Sequence[str], replicas: Sequence[int], ks: Sequence[int]) 
 
 
 @functools.cache
-def _workload(name: str, trace: str | None, seed: int = 0) -> Workload:
+def workload_for(name: str, trace: str | None, seed: int = 0) -> Workload:
     """A trace is what it is whatever the seed (which renames its replicas instead:
-    engine.simulate); a generated workload is drawn from it."""
+    engine.simulate): read once for every seed; a generated workload is drawn from it."""
     if name == "mooncake":
         if not trace:
             raise SystemExit("the mooncake workload needs --trace (the Mooncake JSONL file)")
-        return load_mooncake(trace)
+        return _trace(trace)
     return PRESETS[name](seed=seed)
+
+
+@functools.cache
+def _trace(path: str) -> Workload:
+    return load_mooncake(path)
 
 
 @functools.cache
 def _ideal(
     name: str, trace: str | None, block_tokens: int, seed: int = 0, cache_outputs: bool = True
 ) -> float:
-    return ideal_hit_ratio(_workload(name, trace, seed).requests, block_tokens, cache_outputs)
+    return ideal_hit_ratio(workload_for(name, trace, seed).requests, block_tokens, cache_outputs)
 
 
 DEFAULT_COST = CostModel()
@@ -136,7 +141,7 @@ def run_one(
         cache_outputs=cache_outputs,
         kv_events_ms=kv_events_ms,
     )
-    workload = _workload(cell.workload, trace, seed)
+    workload = workload_for(cell.workload, trace, seed)
     result = simulate(workload, policy, params)
     ideal = _ideal(cell.workload, trace, cost.kv_block_tokens, seed, cache_outputs)
     return cell, policy, summarize(result, ideal)
