@@ -7,13 +7,15 @@ GET /debug/decisions   the last N decisions with their full explanation, newest 
                        (?limit=K, ?outcome=routed|pass_through|no_endpoint|error)
 GET /peer/placements   this replica's recent placements for its peers (placements.py;
                        ?after=N&log=ID); an empty log unless peers are configured
+GET /peer/index        this replica's index for a router starting (warm_start.py); 404 where
+                       none is kept here (the supervisor of --workers N)
 """
 
 from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
 import orjson
@@ -21,6 +23,7 @@ from aiohttp import web
 
 from .metrics import WorkerRestarts, exposition
 from .placements import PLACEMENTS_PATH, PlacementLog
+from .warm_start import INDEX_PATH
 
 if TYPE_CHECKING:
     from .server import Outcome
@@ -70,6 +73,7 @@ def build_admin_app(
     ready: Callable[[], bool],
     placements: PlacementLog | None = None,
     worker_restarts: WorkerRestarts | None = None,
+    index_snapshot: Callable[[], Awaitable[bytes]] | None = None,
 ) -> web.Application:
     async def metrics(_request: web.Request) -> web.Response:
         body, content_type = exposition(worker_restarts)
@@ -103,12 +107,19 @@ def build_admin_app(
         body = shared.answer(after, request.query.get("log"))
         return web.Response(body=body, content_type="application/json")
 
+    async def peer_index(_request: web.Request) -> web.Response:
+        if index_snapshot is None:
+            return web.json_response({"error": "no index is kept here"}, status=404)
+        body = await index_snapshot()
+        return web.Response(body=body, content_type="application/octet-stream")
+
     app = web.Application()
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/readyz", readyz)
     app.router.add_get("/debug/decisions", recent)
     app.router.add_get(PLACEMENTS_PATH, peer_placements)
+    app.router.add_get(INDEX_PATH, peer_index)
     return app
 
 

@@ -83,6 +83,17 @@ class _Region:
     last_stamp: int = 0
 
 
+@dataclass(frozen=True, slots=True)
+class RegionCopy:
+    """One endpoint's slots as another index held them (PrefixIndex.export_region)."""
+
+    capacity: int  # blocks
+    fingerprints: np.ndarray  # (buckets, WAYS) uint32, 0 = empty
+    stamps: np.ndarray  # (buckets, WAYS) uint64, on the other index's clock
+    stamps_seen: float = 0.0  # its turnover sums (_Region)
+    new_seen: float = 0.0
+
+
 def split_hashes(hashes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """(fingerprints, bucket keys): the high 32 bits (never 0, which marks an empty slot)
     and the low 32 bits of each 64-bit block hash."""
@@ -406,6 +417,81 @@ class PrefixIndex:
         self._stamps.reshape(-1)[flat] = 0
         self._entries[position] -= len(flat)
         return len(flat)
+
+    # -- handover (warm_start.py) ----------------------------------------------------------
+    @property
+    def clock(self) -> int:
+        """The stamp the next record starts from: every stamp in the table is below it."""
+        return self._clock
+
+    def export_region(self, address: str) -> RegionCopy | None:
+        """A copy of one endpoint's region, for a router that starts after this one."""
+        region = self._regions.get(address)
+        if region is None:
+            return None
+        rows = slice(region.offset, region.offset + region.buckets)
+        return RegionCopy(
+            capacity=region.capacity,
+            fingerprints=self._fingerprints[rows].copy(),
+            stamps=self._stamps[rows].copy(),
+            stamps_seen=region.stamps_seen,
+            new_seen=region.new_seen,
+        )
+
+    def make_room_below(self, stamps: int) -> None:
+        """Move every stamp of this index up by ``stamps``, so that a region copied from an
+        index whose clock was at most that many reads as older than anything this one
+        recorded (``adopt_region``): what a router saw itself is newer than what it was
+        handed. Differences between its own stamps, which turnover is measured by, stay."""
+        if stamps <= 0:
+            return
+        shift = np.uint64(stamps)
+        used = self._stamps != 0
+        self._stamps[used] += shift
+        self._clock += stamps
+        for region in self._by_position:
+            region.last_stamp += stamps
+
+    def adopt_region(self, address: str, copy: RegionCopy) -> int:
+        """Merge a region copied from another index (``export_region``, of the same
+        capacity) into this endpoint's: per bucket the newest WAYS slots of both, its own
+        first where a block is in both. Call ``make_room_below(the other clock)`` first, once
+        per copy handed over, so that the copied stamps read as older than this index's
+        own. Returns the slots taken; 0 for an endpoint not here or of another capacity
+        (a fingerprint cannot be moved to a differently sized region)."""
+        region = self._regions.get(address)
+        if region is None or region.capacity != copy.capacity:
+            return 0
+        if copy.fingerprints.shape != (region.buckets, WAYS) or copy.stamps.shape != (
+            region.buckets,
+            WAYS,
+        ):
+            return 0
+        position = self._positions[address]
+        rows = slice(region.offset, region.offset + region.buckets)
+        own_fingerprints, own_stamps = self._fingerprints[rows], self._stamps[rows]
+        fingerprints = copy.fingerprints.astype(np.uint32, copy=False)
+        stamps = np.where(fingerprints != 0, copy.stamps.astype(np.uint64, copy=False), 0)
+        stamps = np.minimum(stamps, np.uint64(max(1, self._clock - 1)))  # (never the future)
+        # A copied block this index holds already keeps its own slot and stamp.
+        duplicate = (fingerprints[:, :, None] == own_fingerprints[:, None, :]).any(axis=2)
+        stamps = np.where(duplicate, 0, stamps)
+        fingerprints = np.where(stamps != 0, fingerprints, 0)
+        both_fingerprints = np.concatenate([own_fingerprints, fingerprints], axis=1)
+        both_stamps = np.concatenate([own_stamps, stamps], axis=1)
+        newest = np.argsort(both_stamps, axis=1, kind="stable")[:, ::-1][:, :WAYS]
+        merged_stamps = np.take_along_axis(both_stamps, newest, axis=1)
+        merged = np.where(
+            merged_stamps != 0, np.take_along_axis(both_fingerprints, newest, axis=1), 0
+        )
+        before = int(np.count_nonzero(own_fingerprints))
+        self._fingerprints[rows] = merged
+        self._stamps[rows] = np.where(merged != 0, merged_stamps, 0)
+        after = int(np.count_nonzero(merged))
+        self._entries[position] += after - before
+        if region.new_seen == 0:  # (nothing recorded here yet: the other's turnover holds)
+            region.stamps_seen, region.new_seen = copy.stamps_seen, copy.new_seen
+        return after - before
 
     # -- reporting ------------------------------------------------------------------------
     def entries_by_endpoint(self) -> dict[str, int]:

@@ -153,6 +153,18 @@ class RouterMetrics:
             "prefix_router_peer_placements",
             "Placements read from peer router replicas into this one's index (peers config)",
         )
+        self.warm_start_blocks = counter(
+            "prefix_router_warm_start_blocks",
+            "Index slots a starting router took from the index it was handed (warm_start "
+            "config), by source (file, peer)",
+            ("source",),
+        )
+        self.index_snapshots = counter(
+            "prefix_router_index_snapshots",
+            "Index snapshots written to warm_start.path (outcome written / failed) and "
+            "served to starting peers (outcome served)",
+            ("outcome",),
+        )
         self.cache_events = counter(
             "prefix_router_cache_events",
             "The endpoints' KV-cache events read (cache_events config), by kind: "

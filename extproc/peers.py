@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
 
 import aiohttp
@@ -29,7 +29,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from .config import PeersConfig
 from .discovery import getaddrinfo_resolver
 from .placements import MAX_ANSWER_BYTES, PLACEMENTS_PATH, Placement, PlacementAnswer, decode
-from .poller import EndpointPoller, fetch_parsed
+from .poller import EndpointPoller, fetch_parsed, read_at_most
+from .warm_start import INDEX_PATH, MAX_SNAPSHOT_BYTES
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +41,9 @@ OWN_PLACED_METRIC = "prefix_router_own_placed_work"
 # must not wait for a whole second's worth (a slice: 1.5-2.6 ms here, `bench core
 # --peer-placements`).
 BLOCKS_PER_SLICE = 2048
+# Reading a peer's whole index (warm_start.py) may take longer than a round's read: 12 bytes
+# per block of its capacity (~6 MB for 8 servers of 1M tokens at the default block size).
+INDEX_TIMEOUT_SECONDS = 20.0
 
 PeerWork = dict[str, dict[str, float]]  # router instance -> endpoint address -> work
 
@@ -79,6 +83,24 @@ def parse_peer_figures(text: str) -> PeerFigures:
     return PeerFigures(out[OWN_WORK_METRIC], out[OWN_PLACED_METRIC])
 
 
+async def fetch_index(session: aiohttp.ClientSession, address: str) -> bytes | None:
+    """A peer's index snapshot (warm_start.py), or None: no answer, not 200 (a supervisor
+    of --workers N, an older router), or over MAX_SNAPSHOT_BYTES."""
+    url = f"http://{address}{INDEX_PATH}"
+    try:
+        timeout = aiohttp.ClientTimeout(total=INDEX_TIMEOUT_SECONDS)
+        async with session.get(url, timeout=timeout) as response:
+            if response.status != 200:
+                log.info(
+                    "peer router %s keeps no index to hand over (%d)", address, response.status
+                )
+                return None
+            return await read_at_most(response, MAX_SNAPSHOT_BYTES)
+    except (aiohttp.ClientError, TimeoutError, OSError) as exc:
+        log.info("peer router %s: its index could not be read (%s)", address, exc)
+        return None
+
+
 def parse_peer_work(text: str) -> PeerWork:
     """Every router instance's own queued work per endpoint in one /metrics page."""
     return parse_peer_figures(text).work
@@ -103,6 +125,8 @@ class PeerReader(EndpointPoller[PeerAnswer]):
         on_placements: Callable[[list[Placement]], None] | None = None,
         scheme: str = "",
         on_placed: Callable[[str, dict[str, float]], None] | None = None,
+        wants_index: Callable[[], bool] | None = None,
+        on_index: Callable[[str, bytes], Awaitable[bool]] | None = None,
     ) -> None:
         """``on_placements`` gets the placements of peers whose hashes are made as
         ``scheme`` says (placements.hash_scheme); others are skipped, with a warning.
@@ -124,6 +148,9 @@ class PeerReader(EndpointPoller[PeerAnswer]):
         # Per peer address: the placement log read and the last placement number seen.
         self._seen: dict[str, tuple[str, int]] = {}
         self._pending: list[Placement] = []  # read this round, not yet recorded
+        self._wants_index = wants_index
+        self._on_index = on_index
+        self._index_asked: set[str] = set()
 
     async def poll_all(self, session: aiohttp.ClientSession) -> None:
         addresses = list(self.config.addresses)
@@ -134,12 +161,26 @@ class PeerReader(EndpointPoller[PeerAnswer]):
                 log.warning("peers: cannot resolve %s: %s", self.config.dns_name, exc)
         self._addresses_now = sorted(set(addresses))
         await super().poll_all(session)
+        await self._read_an_index(session)
         pending, self._pending = self._pending, []
         if self._on_placements is None:
             return
         for piece in placement_slices(pending):
             self._on_placements(piece)
             await asyncio.sleep(0)
+
+    async def _read_an_index(self, session: aiohttp.ClientSession) -> None:
+        if self._on_index is None or self._wants_index is None:
+            return
+        for address in self._addresses_now:
+            if not self._wants_index():
+                return
+            if not self._answering.get(address) or address in self._index_asked:
+                continue
+            self._index_asked.add(address)
+            data = await fetch_index(session, address)
+            if data is not None and await self._on_index(address, data):
+                return
 
     async def poll(self, session: aiohttp.ClientSession, address: str) -> PeerAnswer:
         figures = await fetch_parsed(session, f"http://{address}/metrics", parse_peer_figures)

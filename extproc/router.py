@@ -28,7 +28,7 @@ from .hashing import (
     root_hash,
     session_blocks,
 )
-from .index import IndexStats, Journal, PrefixIndex
+from .index import IndexStats, Journal, PrefixIndex, RegionCopy
 from .model_pools import ModelPools
 from .placements import Placement, PlacementLog
 from .prompt import LLMRequest
@@ -1240,6 +1240,32 @@ class Router:
         _, first = np.unique(hashes, return_index=True)
         newest = np.sort(first)[: self._capacity_blocks[i]]
         self._update(i, True, hashes[newest])
+
+    # -- warm start (warm_start.py) ----------------------------------------------------------
+    def index_regions(self) -> tuple[int, dict[str, RegionCopy]]:
+        """The index clock and a copy of every endpoint's region, for a router starting."""
+        regions = {address: self.index.export_region(address) for address in self._addresses}
+        return self.index.clock, {a: r for a, r in regions.items() if r is not None}
+
+    def make_room_for_handover(self, clock: int) -> None:
+        """Before adopting regions taken at ``clock``: what this router recorded itself
+        stays newer than anything handed over (PrefixIndex.make_room_below)."""
+        self.index.make_room_below(clock)
+
+    def adopt_index_region(self, address: str, copy: RegionCopy) -> int | None:
+        """Merge a region another router's index held (its own entries first); returns the
+        slots taken, or None where it cannot go: not a member, out for failed probes or
+        not ready with its index emptied, a size not yet read (provisional), or another
+        capacity here."""
+        i = self._position.get(address)
+        if (
+            i is None
+            or address in self._unsized
+            or not self._holds_what_it_is_sent(i)
+            or self._capacity_blocks[i] != copy.capacity
+        ):
+            return None
+        return self.index.adopt_region(address, copy)
 
     # -- index updates ----------------------------------------------------------------------
     def _update(self, i: int, stored: bool, hashes: np.ndarray, age: int = 0) -> None:

@@ -57,11 +57,15 @@ from .server import ExternalProcessorService, Outcome
 from .signals import EndpointSignals, MetricsScraper
 from .telemetry import DecisionTracer, tracer_from_env
 from .tls import CertificateReloader, TLSFilesError, server_credentials
+from .warm_start import Handover, IndexSnapshot, encode, read_file, take, usable_answer, write_file
 
 log = logging.getLogger("extproc")
 
 EXT_PROC_SERVICE = "envoy.service.ext_proc.v3.ExternalProcessor"
 HEALTH_SERVICES = ("", "liveness", "readiness", EXT_PROC_SERVICE)
+# A router started this long ago no longer asks its peers for their index (warm_start.py):
+# by then its own placements have begun to fill it.
+PEER_INDEX_WITHIN_SECONDS = 30.0
 # On SIGTERM the router first reports NOT_SERVING (gRPC health and /readyz) and keeps
 # accepting streams this long (capped by server.grace_seconds), so that Envoy's health check
 # of the router cluster (every 0.5 s, see envoyconf) moves new requests elsewhere before the
@@ -151,12 +155,24 @@ class RouterService:
         )
         sharing = config.peers.enabled and config.peers.share_placements
         scheme = hash_scheme(config.routing.block_size_bytes)
+        self.scheme = scheme
+        # The index handed over at start (warm_start.py): one per start, from the file or a
+        # peer; ``handover`` while its regions are going in.
+        self.handover: Handover | None = None
+        self._handed_over = False
+        self._handover_kind = ""  # file or peer
+        self._handover_counted = 0
+        self._peer_index_until = 0.0  # (set at start)
+        self._snapshot_writer: asyncio.Task[None] | None = None
+        from_peers = config.warm_start.from_peers
         self.peers = PeerReader(
             config.peers,
             self.router.observe_peer_work,
             self._on_peer_placements if sharing else None,
             scheme=scheme,
             on_placed=self.router.observe_peer_placed if sharing else None,
+            wants_index=self._wants_peer_index if from_peers else None,
+            on_index=self._take_peer_index if from_peers else None,
         )
         if sharing:
             self.router.placements = PlacementLog(scheme)
@@ -251,6 +267,82 @@ class RouterService:
             counts_finished=signals.prefills is not None,
             tells_restarts=signals.tells_restarts,
         )
+        if self.handover is not None:  # (after: the reading sized the endpoint's region)
+            self.handover.endpoint_read(address, signals)
+            self._handover_progress()
+
+    # -- warm start (warm_start.py) ---------------------------------------------------------
+    def _begin_handover(self, snapshot: IndexSnapshot, kind: str, source: str) -> None:
+        self._handed_over = True
+        self._handover_kind = kind
+        self.handover = Handover(
+            snapshot, source, self.router, reads_metrics=self.config.signals.enabled
+        )
+        if self.config.signals.enabled:  # endpoints read already (a peer's index comes later)
+            for address, reading in list(self.scraper.latest.items()):
+                if reading.up and reading.read_at is not None:
+                    self.handover.endpoint_read(address, reading)
+        self._handover_progress()
+
+    def _handover_progress(self) -> None:
+        handover = self.handover
+        if handover is None:
+            return
+        if not handover.reads_metrics:
+            handover.apply_members()
+        handover.expire()
+        taken = sum(handover.applied.values())
+        if taken > self._handover_counted:
+            self.metrics.warm_start_blocks.labels(self._handover_kind).inc(
+                taken - self._handover_counted
+            )
+            self._handover_counted = taken
+        if handover.done:
+            self.handover = None
+
+    def _wants_peer_index(self) -> bool:
+        return not self._handed_over and time.monotonic() < self._peer_index_until
+
+    async def _take_peer_index(self, address: str, data: bytes) -> bool:
+        """A peer's index (PeerReader, while this router is starting): taken if usable."""
+        source = f"peer {address}"
+        snapshot = await asyncio.to_thread(usable_answer, data, source, self.scheme)
+        if snapshot is None or snapshot.router == self.router.instance:
+            return False  # (its own admin port: a DNS name resolves to every replica)
+        if self._handed_over:
+            return True
+        self._begin_handover(snapshot, "peer", source)
+        return True
+
+    async def index_snapshot(self) -> bytes:
+        """This router's index for a peer starting (GET /peer/index)."""
+        snapshot = take(self.router, self.scheme, self.scraper.latest)  # (copies, on the loop)
+        data = await asyncio.to_thread(encode, snapshot)
+        self.metrics.index_snapshots.labels("served").inc()
+        return data
+
+    async def write_snapshot(self) -> bool:
+        """Write the index to warm_start.path (whole or not at all); False if it failed."""
+        path = self.config.warm_start.path
+        if path is None:
+            return False
+        snapshot = take(self.router, self.scheme, self.scraper.latest)
+        try:
+            await asyncio.to_thread(lambda: write_file(path, encode(snapshot)))
+        except OSError as exc:
+            log.warning("warm start: cannot write the index to %s: %s", path, exc)
+            self.metrics.index_snapshots.labels("failed").inc()
+            return False
+        self.metrics.index_snapshots.labels("written").inc()
+        return True
+
+    async def _write_snapshots(self, interval: float) -> None:
+        while True:
+            await asyncio.sleep(interval)
+            try:
+                await self.write_snapshot()
+            except Exception:  # (a fault here must not end the writes, silently)
+                log.exception("writing the index snapshot failed")
 
     def _on_peer_placements(self, placements: list[Placement]) -> None:
         self.metrics.peer_placements.inc(self.router.observe_peer_placements(placements))
@@ -273,6 +365,12 @@ class RouterService:
         return self._ready
 
     async def start(self) -> int:
+        warm = self.config.warm_start
+        if warm.path is not None:
+            snapshot = read_file(warm.path, self.scheme, warm.max_age_seconds)
+            if snapshot is not None:
+                self._begin_handover(snapshot, "file", f"file {warm.path}")
+        self._peer_index_until = time.monotonic() + PEER_INDEX_WITHIN_SECONDS
         max_message = self.config.server.max_body_bytes + 1024 * 1024
         self.server = grpc.aio.server(
             options=[
@@ -304,7 +402,12 @@ class RouterService:
             raise RuntimeError(f"cannot listen on {self.config.server.listen}")
         await self.server.start()
         if self.serve_admin:
-            app = build_admin_app(self.decisions, self.ready, self.router.placements)
+            app = build_admin_app(
+                self.decisions,
+                self.ready,
+                self.router.placements,
+                index_snapshot=self.index_snapshot,
+            )
             self.admin_runner, self.admin_port = await start_admin(
                 app, self.config.server.admin_listen
             )
@@ -322,13 +425,19 @@ class RouterService:
             self._discovery_source = source
             self._discovery = asyncio.create_task(source.run(self._on_endpoints), name="discovery")
         self._refresher = asyncio.create_task(self._refresh_gauges(), name="gauges")
+        if warm.path is not None and warm.interval_seconds > 0:
+            self._snapshot_writer = asyncio.create_task(
+                self._write_snapshots(warm.interval_seconds), name="index-snapshots"
+            )
         return self.port
 
     def _on_endpoints(self, endpoints: list[EndpointConfig]) -> None:
         """Discovery changed the endpoint set: removed endpoints' index entries are dropped;
         one ready again is picked once its metrics have been read (at once)."""
         before = set(self.router.endpoints)
-        for address in self.router.set_endpoints(endpoints):  # ready again
+        ready_again = self.router.set_endpoints(endpoints)
+        self._handover_progress()  # (metrics off: a handed region goes in once a member)
+        for address in ready_again:  # ready again
             self._read_at_once(address)
             self.model_lister.unpolled(address)  # (a pod that was loading answered none)
         for endpoint in endpoints:
@@ -354,6 +463,7 @@ class RouterService:
                     self._readiness_sink(self._ready)  # (again: a message may be dropped)
                 self.metrics.refresh(self.router)
                 self._forward_placements()
+                self._handover_progress()
                 source = self._discovery_source
                 if source is not None and source.failures > self._discovery_failures_seen:
                     self.metrics.discovery_failures.inc(
@@ -396,13 +506,15 @@ class RouterService:
         await self.peers.stop()
         if self.cache_events is not None:
             await self.cache_events.stop()
-        for task in (self._refresher, self._discovery):
+        for task in (self._refresher, self._discovery, self._snapshot_writer):
             if task is not None:
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
         if self.server is not None:
             await self.server.stop(max(0.0, grace - (time.monotonic() - started)))
+        if self.config.warm_start.path is not None:
+            await self.write_snapshot()  # (after the drain: what its last requests placed too)
         if self.admin_runner is not None:
             await self.admin_runner.cleanup()
 

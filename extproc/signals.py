@@ -207,7 +207,7 @@ class MetricsScraper(EndpointPoller[EndpointSignals]):
                 signals.prompt_tokens = previous.prompt_tokens
                 signals.started = previous.started
                 signals.read_at = previous.read_at
-            restarted = signals.up and _restarted(previous, signals)
+            restarted = signals.up and restarted_between(previous, signals)
             signals.restarted = restarted
             if restarted:
                 signals.started_after = (
@@ -233,7 +233,7 @@ class MetricsScraper(EndpointPoller[EndpointSignals]):
         self._on_update(address, signals)
 
 
-def _restarted(previous: EndpointSignals, current: EndpointSignals) -> bool:
+def restarted_between(previous: EndpointSignals, current: EndpointSignals) -> bool:
     """Whether the server answering now is another process than the one read before.
     Another start time is (an earlier one too: another server at the address); a start
     time gone is (vLLM brought back with several API server processes exports none, and

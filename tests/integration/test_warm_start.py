@@ -1,0 +1,136 @@
+"""A router that starts takes an index: from the file its predecessor wrote, or from a peer
+(warm_start.py), behind a real Envoy over stand-in vLLM replicas.
+
+The conversations are placed where a fresh router would not send them: the router that
+places them knows only replica X, the one that takes over knows X and Y, and only those
+conversations whose rendezvous pick among (X, Y) is Y are used. Their second turns reach X
+only if the new router was handed where they were placed; without it they go to Y.
+"""
+
+from __future__ import annotations
+
+import time
+
+from extproc.stack import LOOPBACK, Stack, free_port, router_args_for
+
+from ..rendezvous import rendezvous_pick
+from ..router_gauges import models_known
+from .conftest import chat_body, request
+from .test_observability import samples
+from .test_router_replicas import FAST, ROUTER_ARGS
+
+SERVED = "x-gateway-destination-endpoint-served"
+
+
+def _conversations(x: str, y: str, count: int = 4) -> list[tuple[bytes, bytes]]:
+    """(first turn, second turn) of conversations whose rendezvous pick is ``y``."""
+    found = []
+    for i in range(200):
+        first = f"conversation {i} about a subject of its own " * 40
+        second = chat_body(first, "Sure.", "and then?")
+        if rendezvous_pick(second, (x, y)) == y:
+            found.append((chat_body(first), second))
+        if len(found) == count:
+            return found
+    raise AssertionError("too few conversations with Y as their rendezvous pick")
+
+
+def _taken(admin_port: int, source: str) -> float:
+    return samples(admin_port).get(
+        ("prefix_router_warm_start_blocks_total", (("source", source),)), 0.0
+    )
+
+
+def _wait_for(condition, what: str, timeout: float = 15.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.1)
+
+
+def _lists_read(admin_port: int, endpoints: list[str]) -> None:
+    """Until a router has read an endpoint's model list it sends the model's requests to
+    those whose lists it has read: wait for every one."""
+    wanted = {(e, "demo-model") for e in endpoints}
+    _wait_for(lambda: wanted <= models_known(admin_port), "the model lists were never read")
+
+
+def test_a_restarted_router_takes_its_predecessors_index_from_the_file(tmp_path):
+    snapshot = tmp_path / "index.snapshot"
+    snapshot.write_bytes(b"left by something else")  # not a snapshot: started empty
+    args = [
+        *ROUTER_ARGS,
+        *router_args_for("override-host"),
+        *["--set", f"warm_start.path={snapshot}", "--set", "warm_start.interval_seconds=0"],
+    ]
+    with Stack(workdir=tmp_path) as stack:
+        x, y = stack.start_replicas(2, FAST)
+        conversations = _conversations(x, y)
+        address, first_router = stack.start_router([x], extra_args=args, ready=True)
+        port = int(address.rsplit(":", 1)[1])
+        envoy_port, _ = stack.start_proxy("override-host", [x, y], address)
+        for first, _ in conversations:
+            response = request(envoy_port, first)
+            assert response.status == 200 and response.headers[SERVED] == x
+        stack.stop(first_router)  # SIGTERM: drains, then writes the file
+        assert snapshot.stat().st_size > 1000
+
+        # Its successor, on the same port and knowing X and Y, sends the second turns to X.
+        _, second_router = stack.start_router([x, y], port=port, extra_args=args, ready=True)
+        admin = stack.router_admin_ports["router"]
+        _wait_for(lambda: _taken(admin, "file") > 0, "the file's index was never taken")
+        _lists_read(admin, [x, y])
+        for _, second in conversations[:2]:
+            response = request(envoy_port, second)
+            assert response.status == 200 and response.headers[SERVED] == x
+        stack.stop(second_router)
+
+        # X restarted while no router ran: its cache is empty and the file says otherwise;
+        # the router that starts next does not take X's part (X's start time differs).
+        replica_x = next(p for p in stack.processes if p.name == "replica-1")
+        stack.stop(replica_x)
+        stack.respawn(replica_x, int(x.rsplit(":", 1)[1]))
+        _, third_router = stack.start_router([x, y], port=port, extra_args=args, ready=True)
+        _wait_for(
+            lambda: "restarted since the snapshot" in third_router.log_tail(200),
+            "the router never compared X's server with the snapshot's",
+        )
+        assert _taken(admin, "file") == 0
+        _lists_read(admin, [x, y])
+        for _, second in conversations[2:]:
+            response = request(envoy_port, second)
+            assert response.status == 200 and response.headers[SERVED] == y
+
+
+def test_a_router_starting_beside_a_peer_takes_its_index(tmp_path):
+    """Router B starts after A has placed conversations on X. B reads no placements from
+    A (share_placements off, so only the handover can tell it) and lists its own admin port
+    among its peers, as a DNS name resolving to every replica would: it must skip its own
+    index and take A's."""
+    with Stack(workdir=tmp_path) as stack:
+        x, y = stack.start_replicas(2, FAST)
+        conversations = _conversations(x, y, 2)
+        peer_args = ["--set", "peers.interval_seconds=0.2", "--set", "peers.share_placements=false"]
+        common = [*ROUTER_ARGS, *router_args_for("override-host"), *peer_args]
+        address_a, _ = stack.start_router([x], name="router-a", extra_args=common, ready=True)
+        envoy_a, _ = stack.start_proxy("override-host", [x], address_a, name="envoy-a")
+        for first, _ in conversations:
+            response = request(envoy_a, first)
+            assert response.status == 200 and response.headers[SERVED] == x
+        admin = stack.router_admin_ports
+        b_admin = free_port()
+        stack.router_admin_ports["router-b"] = b_admin
+        peers = f"{LOOPBACK}:{admin['router-a']},{LOOPBACK}:{b_admin}"
+        address_b, router_b = stack.start_router(
+            [x, y],
+            name="router-b",
+            extra_args=[*common, "--set", f"peers.addresses={peers}"],
+            ready=True,
+        )
+        envoy_b, _ = stack.start_proxy("override-host", [x, y], address_b, name="envoy-b")
+        _wait_for(lambda: _taken(b_admin, "peer") > 0, "B never took A's index")
+        _lists_read(b_admin, [x, y])
+        assert f"peer {LOOPBACK}:{admin['router-a']}" in router_b.log_tail(200)
+        for _, second in conversations:
+            response = request(envoy_b, second)
+            assert response.status == 200 and response.headers[SERVED] == x

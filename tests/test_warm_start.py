@@ -1,0 +1,220 @@
+"""An index handed to a router that starts (warm_start.py): copied regions, the merge with
+what the new router recorded itself, the snapshot format, and when a region is not taken."""
+
+import io
+import random
+import time
+
+import numpy as np
+import orjson
+import pytest
+
+from extproc import warm_start
+from extproc.config import EndpointConfig, RoutingConfig
+from extproc.index import WAYS, PrefixIndex
+from extproc.placements import hash_scheme
+from extproc.prompt import parse_request
+from extproc.router import Router
+from extproc.scheduler import RULE_AFFINITY
+from extproc.signals import EndpointSignals
+
+ENDPOINTS = [EndpointConfig(address=f"10.0.0.{i}:8000") for i in range(1, 5)]
+SCHEME = hash_scheme(RoutingConfig().block_size_bytes)
+
+
+def chain(rng: random.Random, length: int) -> np.ndarray:
+    return np.array([rng.getrandbits(64) for _ in range(length)], dtype=np.uint64)
+
+
+def chat(text: str):
+    body = {"model": "m", "messages": [{"role": "user", "content": text}]}
+    return parse_request("chat", orjson.dumps(body))
+
+
+def reading(started: float | None = 1000.0, queries: float | None = 50.0) -> EndpointSignals:
+    return EndpointSignals(up=True, started=started, queries=queries, read_at=time.time())
+
+
+def test_a_copied_region_matches_as_the_original_and_the_original_is_untouched():
+    rng = random.Random(1)
+    old, new = PrefixIndex(), PrefixIndex()
+    for index in (old, new):
+        index.set_endpoints({"a": 4000, "b": 4000})
+    chains = [chain(rng, rng.randint(1, 300)) for _ in range(60)]
+    for n, blocks in enumerate(chains):
+        old.record("ab"[n % 2], blocks)
+    for address in "ab":
+        copy = old.export_region(address)
+        assert copy is not None
+        new.make_room_below(old.clock)
+        assert new.adopt_region(address, copy) == old.entries_by_endpoint()[address]
+    for blocks in chains:
+        assert new.match(blocks, "ab") == old.match(blocks, "ab")
+    assert new.entries_by_endpoint() == old.entries_by_endpoint()
+    assert new.clock > old.clock
+    # Another capacity, or an endpoint not there, takes nothing.
+    other = PrefixIndex()
+    other.set_endpoints({"a": 8000})
+    assert other.adopt_region("a", old.export_region("a")) == 0
+    assert other.adopt_region("b", old.export_region("b")) == 0
+    assert other.stats().entries == 0
+
+
+def test_what_the_new_index_recorded_itself_is_newer_than_what_it_was_handed():
+    """A single bucket (an exact LRU): the handed blocks fill the free ways, the new index's
+    own stay, and the next new block evicts a handed one, not its own."""
+    rng = random.Random(2)
+    old, new = PrefixIndex(), PrefixIndex()
+    old.set_endpoints({"a": WAYS})
+    new.set_endpoints({"a": WAYS})
+    handed = chain(rng, 6)
+    old.record("a", handed)
+    own = chain(rng, 3)
+    new.record("a", own)
+    shared = handed[:1]
+    new.record("a", shared)  # held by both: kept once, with its own (newer) stamp
+    new.make_room_below(old.clock)
+    assert new.adopt_region("a", old.export_region("a")) == WAYS - 4
+    assert new.stats().entries == WAYS
+    assert new.match(own, ["a"]) == {"a": 3}
+    # Of the handed chain the head is held (bucket full: its tail went, as an LRU drops it).
+    assert new.match(handed, ["a"]) == {"a": 5}
+    new.record("a", chain(rng, 1))
+    assert new.match(own, ["a"]) == {"a": 3}
+    assert new.match(shared, ["a"]) == {"a": 1}
+
+
+def test_a_snapshot_survives_its_format_and_a_garbled_one_is_refused():
+    rng = random.Random(3)
+    router = Router(RoutingConfig(), ENDPOINTS)
+    for _ in range(20):
+        router.finish(router.route(chat(f"question {rng.random()} " * 40)))
+    readings = {ENDPOINTS[0].address: reading()}
+    snapshot = warm_start.take(router, SCHEME, readings)
+    data = warm_start.encode(snapshot)
+    back = warm_start.decode(data)
+    assert back.scheme == SCHEME and back.clock == snapshot.clock
+    assert back.servers[ENDPOINTS[0].address]["started"] == 1000.0
+    assert set(back.regions) == {e.address for e in ENDPOINTS}
+    for address, region in snapshot.regions.items():
+        assert np.array_equal(back.regions[address].fingerprints, region.fingerprints)
+        assert np.array_equal(back.regions[address].stamps, region.stamps)
+    for bad in (b"", b"not a zip", data[: len(data) // 2]):
+        with pytest.raises(ValueError, match="not an index snapshot"):
+            warm_start.decode(bad)
+    # Arrays not the shape their capacity gives; a stamp at or past the clock; a limit.
+    header = orjson.loads(np.load(io.BytesIO(data))["header"].tobytes())
+    header["endpoints"][0]["capacity"] += WAYS * 10
+    with pytest.raises(ValueError, match="arrays are not"):
+        warm_start.decode(_with_header(data, header))
+    header = orjson.loads(np.load(io.BytesIO(data))["header"].tobytes())
+    header["clock"] = 1
+    with pytest.raises(ValueError, match="not below the clock"):
+        warm_start.decode(_with_header(data, header))
+    with pytest.raises(ValueError, match="unpacks to more than"):
+        warm_start.decode(data, limit=1000)
+
+
+def _with_header(data: bytes, header: dict) -> bytes:
+    with np.load(io.BytesIO(data)) as archive:
+        arrays = {name: archive[name] for name in archive.files}
+    arrays["header"] = np.frombuffer(orjson.dumps(header), dtype=np.uint8)
+    out = io.BytesIO()
+    np.savez(out, **arrays)
+    return out.getvalue()
+
+
+def test_a_snapshot_file_is_written_whole_and_an_old_or_foreign_one_is_not_used(tmp_path):
+    router = Router(RoutingConfig(), ENDPOINTS)
+    router.finish(router.route(chat("hello " * 100)))
+    path = tmp_path / "index.snapshot"
+    assert warm_start.read_file(str(path), SCHEME, 600) is None  # none yet
+    data = warm_start.encode(warm_start.take(router, SCHEME, {}))
+    warm_start.write_file(str(path), data)
+    assert path.read_bytes() == data and [p.name for p in tmp_path.iterdir()] == [path.name]
+    assert warm_start.read_file(str(path), SCHEME, 600) is not None
+    assert warm_start.read_file(str(path), "xxh3-64/128", 600) is None  # another block size
+    old = warm_start.encode(warm_start.take(router, SCHEME, {}, now=time.time() - 700))
+    warm_start.write_file(str(path), old)
+    assert warm_start.read_file(str(path), SCHEME, 600) is None  # too old
+    path.write_bytes(b"garbage")
+    assert warm_start.read_file(str(path), SCHEME, 600) is None
+
+
+def _routed(router: Router, texts: list[str]) -> dict[str, str]:
+    placed = {}
+    for text in texts:
+        decision = router.route(chat(text))
+        router.finish(decision)
+        placed[text] = decision.endpoint
+    return placed
+
+
+def test_a_router_handed_its_predecessors_index_sends_each_prefix_where_it_was_placed():
+    texts = [f"conversation {n}: " + "tell me more about it. " * 60 for n in range(24)]
+    old = Router(RoutingConfig(), ENDPOINTS)
+    placed = _routed(old, texts)
+    readings = {e.address: reading(started=1000.0 + n) for n, e in enumerate(ENDPOINTS)}
+    snapshot = warm_start.decode(warm_start.encode(warm_start.take(old, SCHEME, readings)))
+
+    new = Router(RoutingConfig(), ENDPOINTS)
+    own = new.route(chat("a prompt the new router places itself " * 50))
+    new.finish(own)
+    handover = warm_start.Handover(snapshot, "test", new, reads_metrics=True)
+    restarted = ENDPOINTS[3].address
+    for n, endpoint in enumerate(ENDPOINTS):
+        started = 5000.0 if endpoint.address == restarted else 1000.0 + n
+        new.observe_signals(endpoint.address, True)
+        handover.endpoint_read(endpoint.address, reading(started=started))
+    assert handover.done
+    assert handover.skipped == {restarted: "its server restarted since"}
+    assert set(handover.applied) == {e.address for e in ENDPOINTS[:3]}
+    for text, endpoint in placed.items():
+        decision = new.route(chat(text + " and then?"))
+        new.finish(decision)
+        if endpoint != restarted:
+            assert decision.rule == RULE_AFFINITY and decision.endpoint == endpoint, text
+        else:
+            assert decision.matched_blocks == 0
+    again = new.route(chat("a prompt the new router places itself " * 50))
+    assert again.endpoint == own.endpoint and again.rule == RULE_AFFINITY
+
+
+def test_regions_wait_for_their_endpoints_size_and_expire(monkeypatch):
+    """A provisional index size (the KV size not read yet) takes nothing until the first
+    reading; a region whose endpoint was never read goes after APPLY_WITHIN_SECONDS."""
+    old = Router(RoutingConfig(), ENDPOINTS)
+    _routed(old, [f"prompt {n} " * 80 for n in range(8)])
+    snapshot = warm_start.take(old, SCHEME, {})
+    now = [100.0]
+    new = Router(RoutingConfig(), ENDPOINTS, learns_capacity=True)
+    handover = warm_start.Handover(snapshot, "test", new, reads_metrics=True, clock=lambda: now[0])
+    first = ENDPOINTS[0].address
+    assert new.adopt_index_region(first, snapshot.regions[first]) is None  # provisional
+    new.observe_signals(first, True)
+    handover.endpoint_read(first, reading(started=None, queries=None))
+    assert first in handover.applied
+    # Another KV size read: not taken.
+    second = ENDPOINTS[1].address
+    new.observe_signals(second, True, kv_capacity_tokens=123_456)
+    handover.endpoint_read(second, reading())
+    assert handover.skipped[second] == "another KV capacity"
+    now[0] += warm_start.APPLY_WITHIN_SECONDS
+    handover.expire()
+    assert handover.done
+    assert set(handover.skipped) == {e.address for e in ENDPOINTS[1:]}
+
+
+def test_without_metrics_regions_go_in_at_once_for_the_members():
+    old = Router(RoutingConfig(), ENDPOINTS)
+    placed = _routed(old, [f"prompt {n} " * 80 for n in range(8)])
+    new = Router(RoutingConfig(), ENDPOINTS[:2], learns_capacity=False)
+    handover = warm_start.Handover(warm_start.take(old, SCHEME, {}), "t", new, False)
+    assert set(handover.applied) == {e.address for e in ENDPOINTS[:2]}
+    new.set_endpoints(ENDPOINTS)
+    handover.apply_members()
+    assert handover.done and set(handover.applied) == {e.address for e in ENDPOINTS}
+    for text, endpoint in placed.items():
+        decision = new.route(chat(text))
+        new.finish(decision)
+        assert decision.endpoint == endpoint and decision.rule == RULE_AFFINITY
