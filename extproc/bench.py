@@ -22,7 +22,7 @@ from .config import RoutingConfig, routing_overrides
 from .sim import grid as sim_grid
 from .sim.engine import RouterChange, SimParams, parse_router_changes, simulate
 from .sim.grid import CAPACITIES
-from .sim.policies import ALL_POLICIES, BOUNDS, ideal_hit_ratio
+from .sim.policies import ALL_POLICIES, BOUNDS, WARM_STARTS, ideal_hit_ratio
 from .sim.replica import DEFAULT_KV_POOL, KV_POOLS, CostModel
 from .sim.report import (
     PEERS_LINE,
@@ -119,6 +119,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     _add_cache_outputs_argument(sim)
     _add_kv_events_argument(sim)
     _add_kv_events_replay_argument(sim)
+    _add_warm_start_argument(sim)
     sim.add_argument(
         "--sweep-peers",
         action="store_true",
@@ -168,6 +169,7 @@ def add_churn_arguments(churn: argparse.ArgumentParser) -> None:
     _add_cache_outputs_argument(churn)
     _add_kv_events_argument(churn)
     _add_kv_events_replay_argument(churn)
+    _add_warm_start_argument(churn)
     churn.add_argument("--json", dest="json_out", help="write results as JSON here")
     churn.add_argument("--no-progress", action="store_true", help="no progress bar")
 
@@ -216,6 +218,18 @@ def _add_kv_events_replay_argument(parser: argparse.ArgumentParser) -> None:
         help="with --kv-events: a router replica started during the run (--router-changes, "
         "bench churn) first reads each replica's last MESSAGES event messages, as the server "
         "asks vLLM's replay_endpoint (cache_events.replay; vLLM keeps 10000); 0: none",
+    )
+
+
+def _add_warm_start_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--warm-start",
+        choices=WARM_STARTS,
+        default="none",
+        help="what a router replica of ours started during the run (--router-changes, bench "
+        "churn) is handed, as the server's warm_start section does: 'file', at a restart in "
+        "place, the index its predecessor wrote at its stop; 'peer', the index of the oldest "
+        "router still routing (a surge's predecessor, a pair's other); 'none' (default)",
     )
 
 
@@ -423,6 +437,11 @@ def churn_command(args: argparse.Namespace) -> int:
             if args.kv_events_replay
             else ""
         )
+        + (
+            f"; a router started late is handed an index ({args.warm_start})"
+            if args.warm_start != "none"
+            else ""
+        )
     )
     print(churn.table(rows, at_s, window_s))
     print(f"\n{wall:.1f} s wall")
@@ -440,6 +459,7 @@ def churn_command(args: argparse.Namespace) -> int:
             "cache_outputs": args.cache_outputs,
             "kv_events_ms": args.kv_events,
             "kv_events_replay": args.kv_events_replay,
+            "warm_start": args.warm_start,
             "cost_model": cost.as_dict(),
             "wall_seconds": round(wall, 2),
             "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
@@ -579,6 +599,7 @@ def _sim_params(args: argparse.Namespace, cost: CostModel, routing: dict[str, An
         cache_outputs=args.cache_outputs,
         kv_events_ms=args.kv_events,
         kv_events_replay=args.kv_events_replay,
+        warm_start=args.warm_start,
     )
 
 
@@ -606,6 +627,11 @@ def simulate_command(args: argparse.Namespace) -> int:
         raise SystemExit(
             "--kv-events-replay matters only to a router that starts during the run: "
             "add --router-changes"
+        )
+    if args.warm_start != "none" and not changes:
+        raise SystemExit(
+            f"--warm-start {args.warm_start} matters only to a router that starts during the "
+            "run: add --router-changes"
         )
     params = dataclasses.replace(
         _sim_params(args, cost, routing),
@@ -675,6 +701,7 @@ def simulate_command(args: argparse.Namespace) -> int:
             "kv_events_ms": args.kv_events,
             "kv_events_replay": args.kv_events_replay,
             "router_changes": args.router_changes,
+            "warm_start": args.warm_start,
         },
         "wall_seconds": round(time.perf_counter() - started, 2),
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
@@ -692,6 +719,11 @@ def simulate_command(args: argparse.Namespace) -> int:
         + ("; replies cached" if args.cache_outputs else "; prompts only (--no-cache-outputs)")
         + _kv_events_note(args.kv_events)
         + (f"; router changes {args.router_changes}" if changes else "")
+        + (
+            f"; a router started late is handed an index ({args.warm_start})"
+            if changes and args.warm_start != "none"
+            else ""
+        )
     )
     print("cost model: " + ", ".join(f"{k}={v}" for k, v in cost.as_dict().items()))
     if routing:

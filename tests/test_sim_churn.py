@@ -176,7 +176,7 @@ def test_cli_churn_and_simulate_router_changes(tmp_path, capsys) -> None:
     args += ["--capacity-tokens", "20000", "--seeds", "1", "--no-progress"]
     assert main([*args, "--json", str(out)]) == 0
     doc = json.loads(out.read_text())
-    assert len(doc["scenarios"]) == 6 and doc["seeds"] == [0]
+    assert len(doc["scenarios"]) == 7 and doc["seeds"] == [0]
     assert 0 < doc["at_s"] < 40 and doc["window_s"] > 0
     assert "restart, one router" in capsys.readouterr().out
     with pytest.raises(SystemExit, match="--at"):
@@ -316,3 +316,52 @@ def test_a_request_arriving_at_a_changes_instant_goes_to_the_routers_after_it(
     before, after = phase_summaries(result)
     assert before["requests"] == 30 and after["requests"] == len(chat.requests) - 30
     assert routed_by[chat.requests[29].rid] == 0 and routed_by[chat.requests[30].rid] == 1
+
+
+def test_a_router_handed_its_predecessors_index_keeps_the_hits_a_restart_loses() -> None:
+    """--warm-start file: the fresh router takes the index its predecessor wrote at its stop
+    (warm_start.Handover, the server's code), so the window after a lone router's restart
+    keeps (nearly) what the unchanged router had; peer: a surge's successor takes the index
+    of the router it replaces while both route; without a peer routing (a restart in
+    place) a peer handover has nothing to take."""
+    for seed in (0, 1, 2):
+        chat = PRESETS["small-multi-turn"](seed=seed)
+        base = SimParams(replicas=4, capacity_tokens=20_000, seed=seed)
+        marks = (RouterChange(8.0, replicas=1), RouterChange(14.0, replicas=1))
+        static = phase_summaries(
+            simulate(chat, "ours", dataclasses.replace(base, router_changes=marks))
+        )
+        window = {}
+        for warm, change in (
+            ("none", RouterChange(8.0, restart=True)),
+            ("file", RouterChange(8.0, restart=True)),
+            ("peer", RouterChange(8.0, restart=True)),
+            ("none+surge", RouterChange(8.0, restart=True, overlap_s=1.0)),
+            ("peer+surge", RouterChange(8.0, restart=True, overlap_s=1.0)),
+        ):
+            params = dataclasses.replace(
+                base, router_changes=(change, marks[1]), warm_start=warm.split("+")[0]
+            )
+            result = simulate(chat, "ours", params)
+            assert all(r.ttft_ms > 0 for r in result.records)
+            phases = phase_summaries(result, with_tokens=True)
+            hits = sum(p["hit_tokens"] for p in phases if 8.0 <= p["from_s"] < 14.0)
+            prompt = sum(p["prompt_tokens"] for p in phases if 8.0 <= p["from_s"] < 14.0)
+            window[warm] = hits / prompt
+        lost = static[1]["hit_ratio"] - window["none"]
+        assert lost > 0.01, seed
+        assert window["file"] > window["none"] + 0.6 * lost, (seed, window)
+        assert window["peer"] == window["none"], seed  # nobody routing to take it from
+        assert window["peer+surge"] > window["none+surge"] + 0.01, (seed, window)
+
+
+def test_cli_warm_start_needs_router_changes(tmp_path) -> None:
+    sim = ["bench", "simulate", "--workload", "small-multi-turn", "--replicas", "4"]
+    sim += ["--policies", "ours", "--no-progress", "--warm-start", "file"]
+    with pytest.raises(SystemExit, match="add --router-changes"):
+        main(sim)
+    out = tmp_path / "sim.json"
+    assert main([*sim, "--router-changes", "8:restart", "--json", str(out)]) == 0
+    assert json.loads(out.read_text())["params"]["warm_start"] == "file"
+    with pytest.raises(SystemExit):
+        main([*sim[:-1], "sideways", "--router-changes", "8:restart"])

@@ -42,7 +42,8 @@ class Scenario:
 
 
 def scenarios(window_s: float) -> list[Scenario]:
-    """A deployment's router changes: a lone router restarted (an upgrade, a crash); a
+    """A deployment's router changes: a lone router restarted (an upgrade, a crash), or
+    rolled as a Deployment does (its successor routing SURGE_OVERLAP_S beside it first); a
     high-availability pair rolled one after the other (the second a quarter of the window
     after the first), without and with ``peers``, each old one gone as its successor
     starts, and with ``peers`` as the shipped Deployment rolls (maxSurge 1: the successor
@@ -52,6 +53,7 @@ def scenarios(window_s: float) -> list[Scenario]:
     second = window_s / 4
     return [
         Scenario("restart, one router", 1, False, ((0.0, restart),)),
+        Scenario(f"rolling, {SURGE_OVERLAP_S:g} s overlap, one router", 1, False, ((0.0, surge),)),
         Scenario("rolling restart, two routers", 2, False, ((0.0, restart), (second, restart))),
         Scenario(
             "rolling restart, two routers, peers", 2, True, ((0.0, restart), (second, restart))

@@ -121,6 +121,11 @@ class SimParams:
     # The router replicas scale or restart during the run (RouterChange); policies that
     # know the truth (the oracle) are one instance and ignore them.
     router_changes: tuple[RouterChange, ...] = ()
+    # What a router replica of ours that starts during the run is handed (warm_start.py):
+    # "none"; "file", at a restart in place, the index its predecessor wrote at its stop;
+    # "peer", the index of the oldest router still routing (a surge's predecessor, or a
+    # peer of a pair or a scale-out).
+    warm_start: str = "none"
 
 
 @dataclass(slots=True)
@@ -182,6 +187,7 @@ def simulate(
         cache_events_delay=None if params.kv_events_ms is None else params.kv_events_ms / 1000.0,
         cache_events_replay=params.kv_events_replay,
         labelling=params.seed if workload.fixed else 0,
+        warm_start=params.warm_start,
     )
     chunk_tokens = requests[0].chunk_tokens if requests else 16
     router = make_policy(policy, ctx, params.router_replicas, chunk_tokens)

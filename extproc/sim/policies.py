@@ -27,6 +27,7 @@ from typing import Any, Protocol
 import numpy as np
 from xxhash import xxh3_64_intdigest
 
+from .. import warm_start
 from ..config import EndpointConfig, PeersConfig, RoutingConfig, SignalsConfig
 from ..placements import PlacementLog
 from ..prompt import LLMRequest
@@ -73,6 +74,8 @@ class PolicyContext:
     # by them, so each naming is one draw of a deployment's addresses; the engine draws it
     # from the seed for a trace, which the seed does not change otherwise.
     labelling: int = 0
+    # What a router of ours that starts during the run is handed (SimParams.warm_start).
+    warm_start: str = "none"
 
     @property
     def n(self) -> int:
@@ -646,11 +649,21 @@ class OursPolicy:
     def finish(self, handle: Any) -> None:
         self.router.finish(handle)
 
+    def hand_index_to(self, fresh: OursPolicy) -> None:
+        """warm_start.py's handover, as the server makes it (less the file or the wire):
+        the fresh router takes this one's index, its own placements counted newer."""
+        snapshot = warm_start.take(self.router, "", {})
+        warm_start.Handover(snapshot, "simulated", fresh.router, reads_metrics=False)
+
     def retire(self) -> None:
         """Taken out of the group: no more KV-cache events to queue for it."""
         if self.cache_events is not None and self.event_queue is not None:
             self.cache_events.unsubscribe(self.event_queue)
             self.event_queue = None
+
+
+# What a router that starts is handed (SimParams.warm_start).
+WARM_STARTS = ("none", "file", "peer")
 
 
 class RouterGroup:
@@ -666,11 +679,15 @@ class RouterGroup:
         rng: random.Random,
         build: Callable[[], Any] | None = None,
         link_peers: bool = False,
+        warm_start: str = "none",
     ) -> None:
+        if warm_start not in WARM_STARTS:
+            raise ValueError(f"warm start {warm_start!r}: choose from {', '.join(WARM_STARTS)}")
         self.instances = instances
         self.rng = rng
         self.build = build
         self.link_peers = link_peers
+        self.warm_start = warm_start
         # The instances that take requests, oldest first.
         self.active: list[int] = list(range(len(instances)))
         if link_peers:
@@ -702,8 +719,9 @@ class RouterGroup:
         """A rolling restart's step: the oldest instance leaves and a fresh one joins."""
         if self.build is None:
             raise ValueError("cannot restart this group")
-        self._retire(self.active.pop(0))
-        self._add()
+        oldest = self.active.pop(0)
+        self._retire(oldest)
+        self._add(predecessor=oldest)
         if self.link_peers:
             self._link_peers()
 
@@ -723,9 +741,19 @@ class RouterGroup:
             if self.link_peers:
                 self._link_peers()
 
-    def _add(self) -> None:
+    def _add(self, predecessor: int | None = None) -> None:
+        """A fresh instance joins; ``predecessor``: the one it replaces in place (a restart),
+        whose index it is handed with warm_start "file"."""
         assert self.build is not None
-        self.instances.append(self.build())
+        fresh = self.build()
+        source = None
+        if self.warm_start == "file" and predecessor is not None:
+            source = self.instances[predecessor]
+        elif self.warm_start == "peer" and self.active:
+            source = self.instances[self.active[0]]  # (the oldest still routing)
+        if source is not None and hasattr(source, "hand_index_to"):
+            source.hand_index_to(fresh)
+        self.instances.append(fresh)
         self.active.append(len(self.instances) - 1)
 
     def _retire(self, k: int) -> None:
@@ -805,7 +833,11 @@ def make_policy(
         raise ValueError(f"unknown policy {name!r}; choose from {', '.join(ALL_POLICIES)}")
     linked = name == "ours" and (ctx.share_queues or ctx.share_placements)
     return RouterGroup(
-        [build() for _ in range(max(1, router_replicas))], ctx.rng, build, link_peers=linked
+        [build() for _ in range(max(1, router_replicas))],
+        ctx.rng,
+        build,
+        link_peers=linked,
+        warm_start=ctx.warm_start,
     )
 
 
