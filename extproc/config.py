@@ -710,14 +710,13 @@ class WarmStartConfig(_Strict):
 
     @field_validator("path")
     @classmethod
-    def _writable_directory(cls, value: str | None) -> str | None:
+    def _a_file_name(cls, value: str | None) -> str | None:
+        """Whether its directory exists is checked when the router starts (serve), where
+        the file is: a configuration is also checked elsewhere (a CI job, a ConfigMap)."""
         if value is None or not value.strip():
             return None
-        directory = os.path.dirname(os.path.abspath(value)) or "."
-        if not os.path.isdir(directory):
-            raise ValueError(f"directory {directory} does not exist")
-        if os.path.isdir(value):
-            raise ValueError(f"{value} is a directory, not a file")
+        if value.endswith("/"):
+            raise ValueError(f"{value} names a directory, not a file")
         return value
 
 

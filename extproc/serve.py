@@ -57,7 +57,16 @@ from .server import ExternalProcessorService, Outcome
 from .signals import EndpointSignals, MetricsScraper
 from .telemetry import DecisionTracer, tracer_from_env
 from .tls import CertificateReloader, TLSFilesError, server_credentials
-from .warm_start import Handover, IndexSnapshot, encode, read_file, take, usable_answer, write_file
+from .warm_start import (
+    Handover,
+    IndexSnapshot,
+    encode,
+    path_problem,
+    read_file,
+    take,
+    usable_answer,
+    write_file,
+)
 
 log = logging.getLogger("extproc")
 
@@ -943,6 +952,10 @@ def run(args: argparse.Namespace) -> int:
         except ConfigError as exc:
             print(f"prefix-router: invalid configuration\n{exc}", file=sys.stderr)
             return 2
+    problem = config.warm_start.path and path_problem(config.warm_start.path)
+    if problem:  # fail fast: an operator who set it expects restarts to keep the index
+        print(f"prefix-router: invalid configuration\nwarm_start.path: {problem}", file=sys.stderr)
+        return 2
     if config.server.workers > 1:
         return run_workers(config, args.log_level)
     try:

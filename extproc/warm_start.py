@@ -185,6 +185,18 @@ def decode(data: bytes, limit: int = MAX_SNAPSHOT_BYTES) -> IndexSnapshot:
     return IndexSnapshot(scheme, float(created), clock, regions, servers, router)
 
 
+def path_problem(path: str) -> str | None:
+    """Why the router could not keep its snapshot at ``path`` (checked at start), or None."""
+    directory = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path):
+        return f"{path} is a directory, not a file"
+    if not os.path.isdir(directory):
+        return f"directory {directory} does not exist"
+    if not os.access(directory, os.W_OK | os.X_OK):
+        return f"directory {directory} is not writable by this process"
+    return None
+
+
 def write_file(path: str, data: bytes) -> None:
     """Write whole or not at all: a reader never finds half a snapshot."""
     target = Path(path)

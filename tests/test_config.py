@@ -1,5 +1,6 @@
 """Configuration: file < env < flags, and errors that name the field."""
 
+import os
 from pathlib import Path
 
 import pytest
@@ -86,6 +87,8 @@ def test_endpoints_from_a_comma_string_and_ipv6():
         ({"server.header_name": "has space"}, "server.header_name"),
         ({"server.worker_hang_seconds": 4}, "server.worker_hang_seconds"),
         ({"models.unknown_wait_seconds": 1.0}, "models.unknown_wait_seconds"),
+        ({"warm_start.path": "/var/lib/prefix-router/"}, "warm_start.path"),
+        ({"warm_start.max_age_seconds": 0}, "warm_start.max_age_seconds"),
     ],
 )
 def test_invalid_values_name_the_field(overrides, field):
@@ -108,3 +111,26 @@ def test_cli_rejects_invalid_config_with_exit_code_2(capsys):
 
     assert main(["serve", "--set", "routing.block_size_bytes=-1"]) == 2
     assert "routing.block_size_bytes" in capsys.readouterr().err
+
+
+def test_a_warm_start_file_the_router_cannot_keep_stops_it_at_start(tmp_path, capsys):
+    """warm_start.path is checked where the router runs (a ConfigMap is checked elsewhere):
+    a missing or unwritable directory, or a directory named, stop `serve` with exit code 2;
+    with --workers N > 1 the configuration itself is refused (each worker has an index)."""
+    from extproc.cli import main
+
+    for path, why in (
+        (tmp_path / "missing" / "index.snapshot", "does not exist"),
+        (tmp_path, "is a directory"),
+    ):
+        assert main(["serve", "--set", f"warm_start.path={path}"]) == 2
+        err = capsys.readouterr().err
+        assert "warm_start.path" in err and why in err
+    locked = tmp_path / "locked"
+    locked.mkdir(mode=0o500)
+    if not os.access(locked, os.W_OK):  # (root writes anywhere)
+        assert main(["serve", "--set", f"warm_start.path={locked / 'index'}"]) == 2
+        assert "not writable" in capsys.readouterr().err
+    args = ["serve", "--workers", "2", "--set", f"warm_start.path={tmp_path / 'index'}"]
+    assert main(args) == 2
+    assert "warm_start.path: not with server.workers > 1" in capsys.readouterr().err

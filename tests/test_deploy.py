@@ -253,6 +253,11 @@ def test_router_configmap_is_a_valid_router_config(tmp_path: Path) -> None:
     mount = next(m for m in container["volumeMounts"] if m["name"] == volume["name"])
     assert f"{mount['mountPath']}/config.yaml" in container["args"]
     assert config.server.grace_seconds < pod["terminationGracePeriodSeconds"]
+    # The index snapshot's directory is a writable volume of its own (the root is read-only).
+    snapshot_dir = str(Path(config.warm_start.path).parent)
+    mount = next(m for m in container["volumeMounts"] if m["mountPath"] == snapshot_dir)
+    assert not mount.get("readOnly")
+    assert "emptyDir" in next(v for v in pod["volumes"] if v["name"] == mount["name"])
 
 
 def test_deployment_probes_resources_and_references() -> None:
@@ -516,6 +521,15 @@ def test_compose_services_profiles_and_ports() -> None:
     assert collector["exporters"]["otlp/jaeger"]["endpoint"] == f"{jaeger_ip}:4317"
     otel = services["router"]["environment"]["OTEL_EXPORTER_OTLP_ENDPOINT"]
     assert services["otel-collector"]["networks"]["llm"]["ipv4_address"] in otel
+    # Each router keeps its index snapshot on a named volume (recreated containers keep it),
+    # in the directory the image creates for its user.
+    dockerfile = (DEPLOY / "Dockerfile").read_text()
+    for name in ("router", "router-vllm"):
+        path = services[name]["environment"]["PREFIX_ROUTER_WARM_START__PATH"]
+        volume = f"{Path(path).parent}"
+        (mount,) = [v for v in services[name]["volumes"] if v.endswith(f":{volume}")]
+        assert mount.split(":")[0] in data["volumes"]
+        assert f"install -d -o 10001 -g 10001 -m 0750 {volume}" in dockerfile
 
 
 # --------------------------------------------------------------------------- image
