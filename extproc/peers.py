@@ -179,8 +179,11 @@ class PeerReader(EndpointPoller[PeerAnswer]):
                 continue
             self._index_asked.add(address)
             data = await fetch_index(session, address)
-            if data is not None and await self._on_index(address, data):
-                return
+            try:
+                if data is not None and await self._on_index(address, data):
+                    return
+            except Exception:  # (the peers' reads go on whatever this one did)
+                log.exception("peer router %s: its index could not be taken", address)
 
     async def poll(self, session: aiohttp.ClientSession, address: str) -> PeerAnswer:
         figures = await fetch_parsed(session, f"http://{address}/metrics", parse_peer_figures)

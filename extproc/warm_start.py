@@ -329,7 +329,12 @@ class Handover:
 
     def _apply(self, address: str) -> None:
         copy = self._pending.pop(address)
-        taken = self.router.adopt_index_region(address, copy)
+        try:
+            taken = self.router.adopt_index_region(address, copy)
+        except Exception:  # (never the router's end: it routes on without this region)
+            log.exception("warm start: %s's region could not be taken", address)
+            self.skipped[address] = "failed"
+            return
         if taken is None:
             self.skipped[address] = "another KV capacity"
             log.info("warm start: %s has another KV capacity here; not taken", address)

@@ -218,3 +218,60 @@ def test_without_metrics_regions_go_in_at_once_for_the_members():
         decision = new.route(chat(text))
         new.finish(decision)
         assert decision.endpoint == endpoint and decision.rule == RULE_AFFINITY
+
+
+async def test_a_starting_reader_skips_peers_whose_index_is_garbage_missing_or_raises():
+    """Four peers on one test server (a path prefix each): one serves garbage, one has no
+    index (an older router, a supervisor of --workers N: 404), one makes the taker raise,
+    one serves a real snapshot. The reader asks each once, in order, until one is taken,
+    and asks no more after that; nothing escapes the round."""
+    import aiohttp
+    from aiohttp import web
+
+    from extproc.admin import start_admin
+    from extproc.config import PeersConfig
+    from extproc.peers import PeerReader
+
+    old = Router(RoutingConfig(), ENDPOINTS)
+    _routed(old, [f"prompt {n} " * 80 for n in range(4)])
+    good = warm_start.encode(warm_start.take(old, SCHEME, {}))
+    pages = {"garbage": (200, b"\x00garbage"), "missing": (404, b""), "raises": (200, good)}
+    pages["good"] = (200, good)
+    asked: list[str] = []
+
+    async def handler(request: web.Request) -> web.Response:
+        name = request.match_info["name"]
+        asked.append(name)
+        status, body = pages[name]
+        return web.Response(status=status, body=body)
+
+    app = web.Application()
+    app.router.add_get("/{name}/peer/index", handler)
+    runner, port = await start_admin(app, "127.0.0.1:0")
+    taken: list[str] = []
+
+    async def on_index(address: str, data: bytes) -> bool:
+        if address.endswith("/raises"):
+            raise RuntimeError("a fault in the taker")
+        snapshot = warm_start.usable_answer(data, address, SCHEME)
+        if snapshot is None:
+            return False
+        taken.append(address)
+        return True
+
+    reader = PeerReader(
+        PeersConfig(addresses=("127.0.0.1:1",)),
+        lambda router, work: None,
+        wants_index=lambda: not taken,
+        on_index=on_index,
+    )
+    reader._addresses_now = [f"127.0.0.1:{port}/{name}" for name in pages]
+    reader._answering = dict.fromkeys(reader._addresses_now, True)
+    try:
+        async with aiohttp.ClientSession() as session:
+            await reader._read_an_index(session)
+            await reader._read_an_index(session)  # (taken: no more asked)
+    finally:
+        await runner.cleanup()
+    assert asked == ["garbage", "missing", "raises", "good"]
+    assert taken == [f"127.0.0.1:{port}/good"]
