@@ -533,7 +533,6 @@ class CacheEventFeed:
 
 
 # A replica's prefill counters before its first request.
-_NO_PREFILLS = EndpointSignals(up=True, prefill_tokens=0.0, prefills=0.0, prefill_seconds=0.0)
 
 
 class OursPolicy:
@@ -593,7 +592,11 @@ class OursPolicy:
                 prefills=float(replica.finished_prefills),
                 prefill_seconds=replica.finished_prefill_ms / 1000.0,
             )
-            before = self.prefill_counters.get(address, _NO_PREFILLS)
+            # A router's first reading of a server gives no window, as signals.py's: the
+            # counters' whole history is not this router's (one started mid-run had read
+            # every prefill since the start as arrivals in its first second, and taken
+            # itself for one router of very many).
+            before = self.prefill_counters.get(address)
             self.prefill_counters[address] = counters
             self.router.observe_signals(
                 address,
@@ -601,7 +604,7 @@ class OursPolicy:
                 running=replica.running,
                 waiting=len(replica.waiting),
                 kv_usage=replica.kv_usage(),
-                prefill_window=prefill_window(before, counters),
+                prefill_window=None if before is None else prefill_window(before, counters),
                 counts_finished=True,
             )
         self.next_scrape = now + self.signals_every
