@@ -365,3 +365,28 @@ def test_cli_warm_start_needs_router_changes(tmp_path) -> None:
     assert json.loads(out.read_text())["params"]["warm_start"] == "file"
     with pytest.raises(SystemExit):
         main([*sim[:-1], "sideways", "--router-changes", "8:restart"])
+
+
+def test_a_router_started_mid_run_does_not_read_the_servers_history_as_its_traffic(
+    chat: Workload, monkeypatch
+) -> None:
+    """Its first reading of a server gives no window (as the server's scraper: a first
+    reading has no previous one), so it does not count every prefill since the start as
+    arrivals it did not send: a lone router restarted reads itself as alone again."""
+    from extproc.sim import engine
+
+    groups = []
+
+    def capture(*args, **kwargs):
+        groups.append(make_policy(*args, **kwargs))
+        return groups[-1]
+
+    monkeypatch.setattr(engine, "make_policy", capture)
+    base = SimParams(replicas=4, capacity_tokens=20_000, seed=0)
+    simulate(
+        chat, "ours", dataclasses.replace(base, router_changes=parse_router_changes("6:restart"))
+    )
+    (group,) = groups
+    fresh = group.instances[group.active[0]].router
+    assert fresh.traffic_share_measured
+    assert fresh.traffic_share > 0.9, fresh.traffic_share
