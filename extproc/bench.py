@@ -44,6 +44,10 @@ OTHER_BENCHMARKS = {
         "extproc.bench_share",
         "a router's traffic share: a router joining, low traffic, a lull, a burst, noise",
     ),
+    "warm-start": (
+        "extproc.bench_warm",
+        "handing a router's index over: snapshot, encode, decode and adopt, per index size",
+    ),
     "overhead": ("extproc.bench_overhead", "throughput and latency through Envoy, with wrk"),
     "live": (
         "extproc.bench_live",

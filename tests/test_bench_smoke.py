@@ -52,6 +52,19 @@ def test_bench_share_tells_how_soon_a_router_joining_or_leaving_shows(tmp_path):
     }
 
 
+def test_bench_warm_start_times_a_full_index_handed_over(tmp_path):
+    out = tmp_path / "warm.json"
+    assert (
+        main(["bench", "warm-start", "--sizes", "4x20000", "--repeat", "1", "--json", str(out)])
+        == 0
+    )
+    (row,) = json.loads(out.read_text())["rows"]
+    # Filled full, and every entry taken by the fresh router (the same capacities).
+    assert row["index_entries"] == row["taken_entries"] > 0.9 * 4 * 20000 * 4 // 64
+    assert row["snapshot_bytes"] > 12 * row["index_entries"]
+    assert all(row[k] > 0 for k in ("take_ms", "encode_ms", "decode_ms", "adopt_ms"))
+
+
 def test_bench_core_short(tmp_path):
     out = tmp_path / "core.json"
     assert (
