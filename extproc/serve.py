@@ -338,7 +338,7 @@ class RouterService:
         snapshot = take(self.router, self.scheme, self.scraper.latest)
         try:
             await asyncio.to_thread(lambda: write_file(path, encode(snapshot)))
-        except OSError as exc:
+        except Exception as exc:  # (a full disk, a volume gone: the router routes on)
             log.warning("warm start: cannot write the index to %s: %s", path, exc)
             self.metrics.index_snapshots.labels("failed").inc()
             return False
@@ -348,10 +348,7 @@ class RouterService:
     async def _write_snapshots(self, interval: float) -> None:
         while True:
             await asyncio.sleep(interval)
-            try:
-                await self.write_snapshot()
-            except Exception:  # (a fault here must not end the writes, silently)
-                log.exception("writing the index snapshot failed")
+            await self.write_snapshot()
 
     def _on_peer_placements(self, placements: list[Placement]) -> None:
         self.metrics.peer_placements.inc(self.router.observe_peer_placements(placements))

@@ -275,3 +275,41 @@ async def test_a_starting_reader_skips_peers_whose_index_is_garbage_missing_or_r
         await runner.cleanup()
     assert asked == ["garbage", "missing", "raises", "good"]
     assert taken == [f"127.0.0.1:{port}/good"]
+
+
+async def test_a_snapshot_that_cannot_be_written_is_counted_and_the_router_routes_on(tmp_path):
+    """The file cannot be replaced (a directory took its name: root writes anywhere, so a
+    read-only directory would not stop it): the write fails, is counted and logged, the
+    next one succeeds, and the stop writes the index the router has then."""
+    from extproc.config import Config
+    from extproc.serve import RouterService
+
+    path = tmp_path / "index.snapshot"
+    config = Config.model_validate(
+        {
+            "server": {"listen": "127.0.0.1:0", "admin_listen": ""},
+            "health": {"enabled": False},
+            "signals": {"enabled": False},
+            "models": {"enabled": False},
+            "endpoints": [e.address for e in ENDPOINTS],
+            "warm_start": {"path": str(path), "interval_seconds": 0},
+        }
+    )
+    service = RouterService(config)
+    failed = service.metrics.index_snapshots.labels("failed")
+    written = service.metrics.index_snapshots.labels("written")
+    before_failed, before_written = failed._value.get(), written._value.get()
+    await service.start()
+    try:
+        path.mkdir()
+        assert await service.write_snapshot() is False
+        assert failed._value.get() == before_failed + 1
+        path.rmdir()
+        _routed(service.router, ["a conversation of its own " * 40])
+        assert await service.write_snapshot() is True
+    finally:
+        await service.stop(grace=0)
+    assert written._value.get() == before_written + 2  # (and once at the stop)
+    snapshot = warm_start.read_file(str(path), SCHEME, 600)
+    assert snapshot is not None and snapshot.router == service.router.instance
+    assert sum(int((r.fingerprints != 0).sum()) for r in snapshot.regions.values()) > 0
