@@ -7,8 +7,9 @@ GET /debug/decisions   the last N decisions with their full explanation, newest 
                        (?limit=K, ?outcome=routed|pass_through|no_endpoint|error)
 GET /peer/placements   this replica's recent placements for its peers (placements.py;
                        ?after=N&log=ID); an empty log unless peers are configured
-GET /peer/index        this replica's index for a router starting (warm_start.py); 404 where
-                       none is kept here (the supervisor of --workers N)
+GET /peer/index        this replica's index for a router starting (warm_start.py), with peers
+                       set; 503 while it is starting itself; 404 without peers and from the
+                       supervisor of --workers N
 """
 
 from __future__ import annotations
@@ -73,7 +74,7 @@ def build_admin_app(
     ready: Callable[[], bool],
     placements: PlacementLog | None = None,
     worker_restarts: WorkerRestarts | None = None,
-    index_snapshot: Callable[[], Awaitable[bytes]] | None = None,
+    index_snapshot: Callable[[], Awaitable[bytes | None]] | None = None,
 ) -> web.Application:
     async def metrics(_request: web.Request) -> web.Response:
         body, content_type = exposition(worker_restarts)
@@ -109,8 +110,10 @@ def build_admin_app(
 
     async def peer_index(_request: web.Request) -> web.Response:
         if index_snapshot is None:
-            return web.json_response({"error": "no index is kept here"}, status=404)
+            return web.json_response({"error": "no index is served here"}, status=404)
         body = await index_snapshot()
+        if body is None:
+            return web.json_response({"error": "starting: its index is young"}, status=503)
         return web.Response(body=body, content_type="application/octet-stream")
 
     app = web.Application()

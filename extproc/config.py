@@ -707,6 +707,13 @@ class WarmStartConfig(_Strict):
         description="with peers set, a router starting reads one answering peer's index "
         "(GET /peer/index on its admin port) once, in its first rounds of reads",
     )
+    from_peers_seconds: float = Field(
+        default=30.0,
+        gt=0,
+        description="how long a starting router looks for a peer's index; meanwhile (and "
+        "while a handed index goes in) it answers its own peers' asks with 503, its index "
+        "being young",
+    )
 
     @field_validator("path")
     @classmethod

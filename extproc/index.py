@@ -445,6 +445,8 @@ class PrefixIndex:
         handed. Differences between its own stamps, which turnover is measured by, stay."""
         if stamps <= 0:
             return
+        if self._clock + stamps >= 2**63:
+            raise OverflowError(f"an index clock of {self._clock + stamps} would wrap")
         shift = np.uint64(stamps)
         used = self._stamps != 0
         self._stamps[used] += shift

@@ -19,6 +19,7 @@ not answer is skipped until it does; its last report drains away.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
@@ -83,19 +84,36 @@ def parse_peer_figures(text: str) -> PeerFigures:
     return PeerFigures(out[OWN_WORK_METRIC], out[OWN_PLACED_METRIC])
 
 
-async def fetch_index(session: aiohttp.ClientSession, address: str) -> bytes | None:
-    """A peer's index snapshot (warm_start.py), or None: no answer, not 200 (a supervisor
-    of --workers N, an older router), or over MAX_SNAPSHOT_BYTES."""
+class _Starting:
+    """fetch_index's answer from a peer that is starting itself (503): ask it again later."""
+
+
+STARTING = _Starting()
+
+
+async def fetch_index(
+    session: aiohttp.ClientSession, address: str, max_bytes: int = MAX_SNAPSHOT_BYTES
+) -> bytes | _Starting | None:
+    """A peer's index snapshot (warm_start.py); STARTING if the peer is starting itself
+    (503: its index is young); None: no answer, another status (a supervisor of --workers
+    N, an older router, a router without peers: 404), or over ``max_bytes``."""
     url = f"http://{address}{INDEX_PATH}"
     try:
         timeout = aiohttp.ClientTimeout(total=INDEX_TIMEOUT_SECONDS)
         async with session.get(url, timeout=timeout) as response:
+            if response.status == 503:
+                return STARTING
             if response.status != 200:
                 log.info(
                     "peer router %s keeps no index to hand over (%d)", address, response.status
                 )
                 return None
-            return await read_at_most(response, MAX_SNAPSHOT_BYTES)
+            body = await read_at_most(response, max_bytes)
+            if body is None:
+                log.warning(
+                    "peer router %s: its index is over %d bytes; not read", address, max_bytes
+                )
+            return body
     except (aiohttp.ClientError, TimeoutError, OSError) as exc:
         log.info("peer router %s: its index could not be read (%s)", address, exc)
         return None
@@ -151,6 +169,8 @@ class PeerReader(EndpointPoller[PeerAnswer]):
         self._wants_index = wants_index
         self._on_index = on_index
         self._index_asked: set[str] = set()
+        self._index_task: asyncio.Task[None] | None = None
+        self.max_index_bytes: Callable[[], int] = lambda: MAX_SNAPSHOT_BYTES
 
     async def poll_all(self, session: aiohttp.ClientSession) -> None:
         addresses = list(self.config.addresses)
@@ -161,7 +181,7 @@ class PeerReader(EndpointPoller[PeerAnswer]):
                 log.warning("peers: cannot resolve %s: %s", self.config.dns_name, exc)
         self._addresses_now = sorted(set(addresses))
         await super().poll_all(session)
-        await self._read_an_index(session)
+        self._start_reading_an_index(session)
         pending, self._pending = self._pending, []
         if self._on_placements is None:
             return
@@ -169,21 +189,41 @@ class PeerReader(EndpointPoller[PeerAnswer]):
             self._on_placements(piece)
             await asyncio.sleep(0)
 
+    def _start_reading_an_index(self, session: aiohttp.ClientSession) -> None:
+        """Beside the rounds (a peer's whole index may take seconds to read; the rounds,
+        and the placements they read, do not wait for it)."""
+        if self._on_index is None or self._wants_index is None or not self._wants_index():
+            return
+        if self._index_task is not None and not self._index_task.done():
+            return
+        if any(self._answering.get(a) and a not in self._index_asked for a in self._addresses_now):
+            self._index_task = asyncio.create_task(self._read_an_index(session), name="peer-index")
+
     async def _read_an_index(self, session: aiohttp.ClientSession) -> None:
         if self._on_index is None or self._wants_index is None:
             return
-        for address in self._addresses_now:
+        for address in list(self._addresses_now):
             if not self._wants_index():
                 return
             if not self._answering.get(address) or address in self._index_asked:
                 continue
             self._index_asked.add(address)
-            data = await fetch_index(session, address)
             try:
-                if data is not None and await self._on_index(address, data):
+                data = await fetch_index(session, address, self.max_index_bytes())
+                if data is STARTING:
+                    self._index_asked.discard(address)  # (asked again next round)
+                elif isinstance(data, bytes) and await self._on_index(address, data):
                     return
             except Exception:  # (the peers' reads go on whatever this one did)
                 log.exception("peer router %s: its index could not be taken", address)
+
+    async def stop(self) -> None:
+        task, self._index_task = self._index_task, None
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        await super().stop()
 
     async def poll(self, session: aiohttp.ClientSession, address: str) -> PeerAnswer:
         figures = await fetch_parsed(session, f"http://{address}/metrics", parse_peer_figures)

@@ -1252,18 +1252,26 @@ class Router:
         stays newer than anything handed over (PrefixIndex.make_room_below)."""
         self.index.make_room_below(clock)
 
+    def handover_refusal(self, address: str, copy: RegionCopy) -> str | None:
+        """Why a region another router's index held cannot go in here now, or None: "not a
+        member", "not ready" (out for failed probes, or not ready with its index emptied),
+        "size not read yet" (its KV size is provisional until its first reading) — all of
+        which may pass — or "another KV capacity", which will not."""
+        i = self._position.get(address)
+        if i is None:
+            return "not a member"
+        if not self._holds_what_it_is_sent(i):
+            return "not ready"
+        if address in self._unsized:
+            return "size not read yet"
+        if self._capacity_blocks[i] != copy.capacity:
+            return "another KV capacity"
+        return None
+
     def adopt_index_region(self, address: str, copy: RegionCopy) -> int | None:
         """Merge a region another router's index held (its own entries first); returns the
-        slots taken, or None where it cannot go: not a member, out for failed probes or
-        not ready with its index emptied, a size not yet read (provisional), or another
-        capacity here."""
-        i = self._position.get(address)
-        if (
-            i is None
-            or address in self._unsized
-            or not self._holds_what_it_is_sent(i)
-            or self._capacity_blocks[i] != copy.capacity
-        ):
+        slots taken, or None where it cannot go now (``handover_refusal``)."""
+        if self.handover_refusal(address, copy) is not None:
             return None
         return self.index.adopt_region(address, copy)
 

@@ -63,6 +63,7 @@ from .warm_start import (
     encode,
     path_problem,
     read_file,
+    remove_leftovers,
     take,
     usable_answer,
     write_file,
@@ -72,9 +73,8 @@ log = logging.getLogger("extproc")
 
 EXT_PROC_SERVICE = "envoy.service.ext_proc.v3.ExternalProcessor"
 HEALTH_SERVICES = ("", "liveness", "readiness", EXT_PROC_SERVICE)
-# A router started this long ago no longer asks its peers for their index (warm_start.py):
-# by then its own placements have begun to fill it.
-PEER_INDEX_WITHIN_SECONDS = 30.0
+# Peers asking for this router's index within this many seconds get the same encoding.
+SERVED_SNAPSHOT_SECONDS = 5.0
 # On SIGTERM the router first reports NOT_SERVING (gRPC health and /readyz) and keeps
 # accepting streams this long (capped by server.grace_seconds), so that Envoy's health check
 # of the router cluster (every 0.5 s, see envoyconf) moves new requests elsewhere before the
@@ -173,6 +173,9 @@ class RouterService:
         self._handover_counted = 0
         self._peer_index_until = 0.0  # (set at start)
         self._snapshot_writer: asyncio.Task[None] | None = None
+        self._write_lock = asyncio.Lock()  # (a write at stop waits for one under way)
+        self._serve_lock = asyncio.Lock()  # (peers asking at once share one encoding)
+        self._served: tuple[float, bytes] | None = None
         from_peers = config.warm_start.from_peers
         self.peers = PeerReader(
             config.peers,
@@ -182,6 +185,11 @@ class RouterService:
             on_placed=self.router.observe_peer_placed if sharing else None,
             wants_index=self._wants_peer_index if from_peers else None,
             on_index=self._take_peer_index if from_peers else None,
+        )
+        # A starting router reads at most this much of a peer's index: four times its own,
+        # and 64 MiB at least (its own regions may still have their provisional sizes).
+        self.peers.max_index_bytes = lambda: max(
+            64 * 2**20, 4 * self.router.index_stats().approx_bytes
         )
         if sharing:
             self.router.placements = PlacementLog(scheme)
@@ -284,13 +292,10 @@ class RouterService:
     def _begin_handover(self, snapshot: IndexSnapshot, kind: str, source: str) -> None:
         self._handed_over = True
         self._handover_kind = kind
+        # (With metrics, each region at its endpoint's next reading: spread over the round.)
         self.handover = Handover(
             snapshot, source, self.router, reads_metrics=self.config.signals.enabled
         )
-        if self.config.signals.enabled:  # endpoints read already (a peer's index comes later)
-            for address, reading in list(self.scraper.latest.items()):
-                if reading.up and reading.read_at is not None:
-                    self.handover.endpoint_read(address, reading)
         self._handover_progress()
 
     def _handover_progress(self) -> None:
@@ -312,43 +317,63 @@ class RouterService:
     def _wants_peer_index(self) -> bool:
         return not self._handed_over and time.monotonic() < self._peer_index_until
 
+    def _starting(self) -> bool:
+        """Its own index is young or still taking one: a peer starting beside it (a
+        scale-out, a fresh deployment) should take an established peer's instead."""
+        return self._wants_peer_index() or self.handover is not None
+
     async def _take_peer_index(self, address: str, data: bytes) -> bool:
         """A peer's index (PeerReader, while this router is starting): taken if usable."""
         source = f"peer {address}"
         snapshot = await asyncio.to_thread(usable_answer, data, source, self.scheme)
         if snapshot is None or snapshot.router == self.router.instance:
             return False  # (its own admin port: a DNS name resolves to every replica)
+        if not any(region.fingerprints.any() for region in snapshot.regions.values()):
+            return False  # (an empty index: another peer may have one)
         if self._handed_over:
             return True
         self._begin_handover(snapshot, "peer", source)
         return True
 
-    async def index_snapshot(self) -> bytes:
-        """This router's index for a peer starting (GET /peer/index)."""
-        snapshot = take(self.router, self.scheme, self.scraper.latest)  # (copies, on the loop)
-        data = await asyncio.to_thread(encode, snapshot)
+    async def index_snapshot(self) -> bytes | None:
+        """This router's index for a peer starting (GET /peer/index); None (503) while it is
+        starting itself. Peers asking within SERVED_SNAPSHOT_SECONDS of each other (a
+        rollout's pods) share one encoding: one copy in memory, not one per peer."""
+        if self._starting():
+            return None
+        async with self._serve_lock:
+            served = self._served
+            if served is None or time.monotonic() - served[0] > SERVED_SNAPSHOT_SECONDS:
+                snapshot = take(self.router, self.scheme, self.scraper.latest)  # (on the loop)
+                self._served = None  # (the old one may go before the new one is made)
+                self._served = served = (
+                    time.monotonic(),
+                    await asyncio.to_thread(encode, snapshot),
+                )
         self.metrics.index_snapshots.labels("served").inc()
-        return data
+        return served[1]
 
     async def write_snapshot(self) -> bool:
         """Write the index to warm_start.path (whole or not at all); False if it failed."""
         path = self.config.warm_start.path
         if path is None:
             return False
-        snapshot = take(self.router, self.scheme, self.scraper.latest)
-        try:
-            await asyncio.to_thread(lambda: write_file(path, encode(snapshot)))
-        except Exception as exc:  # (a full disk, a volume gone: the router routes on)
-            log.warning("warm start: cannot write the index to %s: %s", path, exc)
-            self.metrics.index_snapshots.labels("failed").inc()
-            return False
+        async with self._write_lock:
+            snapshot = take(self.router, self.scheme, self.scraper.latest)
+            try:
+                await asyncio.to_thread(write_file, path, snapshot)
+            except Exception as exc:  # (a full disk, a volume gone: the router routes on)
+                log.warning("warm start: cannot write the index to %s: %s", path, exc)
+                self.metrics.index_snapshots.labels("failed").inc()
+                return False
         self.metrics.index_snapshots.labels("written").inc()
         return True
 
     async def _write_snapshots(self, interval: float) -> None:
         while True:
             await asyncio.sleep(interval)
-            await self.write_snapshot()
+            if self.handover is None:  # (not while regions handed over wait to go in)
+                await self.write_snapshot()
 
     def _on_peer_placements(self, placements: list[Placement]) -> None:
         self.metrics.peer_placements.inc(self.router.observe_peer_placements(placements))
@@ -373,10 +398,11 @@ class RouterService:
     async def start(self) -> int:
         warm = self.config.warm_start
         if warm.path is not None:
+            remove_leftovers(warm.path)
             snapshot = read_file(warm.path, self.scheme, warm.max_age_seconds)
             if snapshot is not None:
                 self._begin_handover(snapshot, "file", f"file {warm.path}")
-        self._peer_index_until = time.monotonic() + PEER_INDEX_WITHIN_SECONDS
+        self._peer_index_until = time.monotonic() + warm.from_peers_seconds
         max_message = self.config.server.max_body_bytes + 1024 * 1024
         self.server = grpc.aio.server(
             options=[
@@ -412,7 +438,7 @@ class RouterService:
                 self.decisions,
                 self.ready,
                 self.router.placements,
-                index_snapshot=self.index_snapshot,
+                index_snapshot=self.index_snapshot if self.config.peers.enabled else None,
             )
             self.admin_runner, self.admin_port = await start_admin(
                 app, self.config.server.admin_listen

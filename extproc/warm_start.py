@@ -31,6 +31,7 @@ from __future__ import annotations
 import contextlib
 import io
 import logging
+import math
 import os
 import tempfile
 import time
@@ -38,7 +39,7 @@ import zipfile
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, BinaryIO
 
 import numpy as np
 import orjson
@@ -91,7 +92,7 @@ def take(
     return IndexSnapshot(scheme, created, clock, regions, servers, router.instance)
 
 
-def encode(snapshot: IndexSnapshot) -> bytes:
+def _save(snapshot: IndexSnapshot, out: BinaryIO) -> None:
     endpoints = []
     arrays: dict[str, np.ndarray] = {}
     for n, (address, region) in enumerate(snapshot.regions.items()):
@@ -115,19 +116,63 @@ def encode(snapshot: IndexSnapshot) -> bytes:
         "endpoints": endpoints,
     }
     arrays["header"] = np.frombuffer(orjson.dumps(header), dtype=np.uint8)
-    out = io.BytesIO()
     np.savez(out, **arrays)
+
+
+def encode(snapshot: IndexSnapshot) -> bytes:
+    out = io.BytesIO()
+    _save(snapshot, out)
     return out.getvalue()
 
 
+# An index clock beyond this is refused: a router adds it to its own (make_room_below), and
+# uint64 stamps must not wrap. Real clocks grow by a few blocks per request.
+MAX_CLOCK = 2**62
+_MAX_HEADER_BYTES = 16 * 2**20
+
+
+def _array(archive: zipfile.ZipFile, name: str, shape: tuple[int, ...], dtype: Any) -> np.ndarray:
+    """Member ``name``.npy, only if its header says ``shape`` and ``dtype`` (checked before
+    anything is allocated: a header may claim any shape), read whole."""
+    with archive.open(f"{name}.npy") as member:
+        version = np.lib.format.read_magic(member)
+        read_header = (
+            np.lib.format.read_array_header_1_0
+            if version == (1, 0)
+            else np.lib.format.read_array_header_2_0
+        )
+        found_shape, fortran, found_dtype = read_header(member)
+        if tuple(found_shape) != shape or fortran or found_dtype != np.dtype(dtype):
+            raise ValueError(f"{name} is {found_shape} {found_dtype}, not {shape} {dtype}")
+        size = int(np.prod(shape)) * np.dtype(dtype).itemsize
+        raw = member.read(size + 1)
+    if len(raw) != size:
+        raise ValueError(f"{name} is cut")
+    return np.frombuffer(raw, dtype=dtype).reshape(shape)
+
+
 def decode(data: bytes, limit: int = MAX_SNAPSHOT_BYTES) -> IndexSnapshot:
-    """A snapshot, checked; ValueError for anything else (garbled, cut, another version,
-    arrays not the shape their capacity gives, more than ``limit`` bytes unpacked)."""
+    """A snapshot, checked; ValueError for anything else (garbled, cut, encrypted or oddly
+    compressed members, another version, arrays not the shape their capacity gives, more
+    than ``limit`` bytes unpacked, figures out of range): a file or a peer's answer is
+    input, and whatever it holds the router starts (empty, if it must)."""
     try:
-        with np.load(io.BytesIO(data), allow_pickle=False) as archive:
-            if sum(info.file_size for info in archive.zip.infolist()) > limit:
+        with zipfile.ZipFile(io.BytesIO(data)) as archive:
+            infos = archive.infolist()
+            if sum(info.file_size for info in infos) > limit:
                 raise ValueError(f"unpacks to more than {limit} bytes")
-            header: Any = orjson.loads(archive["header"].tobytes())
+            for info in infos:
+                if info.flag_bits & 0x1 or info.compress_type not in (
+                    zipfile.ZIP_STORED,
+                    zipfile.ZIP_DEFLATED,
+                ):
+                    raise ValueError(f"{info.filename} is encrypted or oddly compressed")
+            size = archive.getinfo("header.npy").file_size
+            if size > _MAX_HEADER_BYTES:
+                raise ValueError("its header is too large")
+            with archive.open("header.npy") as member:
+                header_bytes = np.lib.format.read_array(member, allow_pickle=False).tobytes()
+            header: Any = orjson.loads(header_bytes)
             if not isinstance(header, dict) or header.get("version") != VERSION:
                 raise ValueError("not a version-1 snapshot")
             scheme, created, clock = header["scheme"], header["created"], header["clock"]
@@ -136,51 +181,42 @@ def decode(data: bytes, limit: int = MAX_SNAPSHOT_BYTES) -> IndexSnapshot:
                 isinstance(scheme, str)
                 and isinstance(router, str)
                 and isinstance(created, int | float)
+                and math.isfinite(created)
                 and isinstance(clock, int)
-                and clock >= 1
+                and 1 <= clock < MAX_CLOCK
             ):
-                raise ValueError("scheme, created or clock has the wrong type")
+                raise ValueError("scheme, created or clock is wrong")
             regions: dict[str, RegionCopy] = {}
             servers: dict[str, dict[str, float | None]] = {}
             for n, entry in enumerate(header["endpoints"]):
                 address, capacity = entry["address"], entry["capacity"]
                 if not isinstance(address, str) or not isinstance(capacity, int) or capacity < 1:
                     raise ValueError("an endpoint's address or capacity is wrong")
-                fingerprints = archive[f"fingerprints_{n}"]
-                stamps = archive[f"stamps_{n}"]
                 shape = (_buckets_for(capacity), WAYS)
-                if (
-                    fingerprints.shape != shape
-                    or stamps.shape != shape
-                    or fingerprints.dtype != np.uint32
-                    or stamps.dtype != np.uint64
-                ):
-                    raise ValueError(f"{address}: arrays are not {shape} uint32 / uint64")
+                fingerprints = _array(archive, f"fingerprints_{n}", shape, np.uint32)
+                stamps = _array(archive, f"stamps_{n}", shape, np.uint64)
                 if stamps.size and int(stamps.max()) >= clock:
                     raise ValueError(f"{address}: a stamp is not below the clock")
+                turnover = [entry["stamps_seen"], entry["new_seen"]]
+                if not all(
+                    isinstance(v, int | float) and math.isfinite(v) and v >= 0 for v in turnover
+                ):
+                    raise ValueError(f"{address}: its turnover figures are wrong")
                 regions[address] = RegionCopy(
-                    capacity,
-                    fingerprints,
-                    stamps,
-                    float(entry["stamps_seen"]),
-                    float(entry["new_seen"]),
+                    capacity, fingerprints, stamps, float(turnover[0]), float(turnover[1])
                 )
                 server = entry.get("server")
                 if server is not None:
+                    values = {name: server.get(name) for name in _SERVER_FIELDS}
+                    if not all(
+                        v is None or (isinstance(v, int | float) and math.isfinite(v))
+                        for v in values.values()
+                    ):
+                        raise ValueError(f"{address}: its server's figures are wrong")
                     servers[address] = {
-                        name: None if server.get(name) is None else float(server[name])
-                        for name in _SERVER_FIELDS
+                        name: None if v is None else float(v) for name, v in values.items()
                     }
-    except (
-        OSError,
-        EOFError,
-        KeyError,
-        TypeError,
-        AttributeError,
-        zipfile.BadZipFile,
-        orjson.JSONDecodeError,
-        ValueError,
-    ) as exc:
+    except Exception as exc:  # (MemoryError, zlib.error, NotImplementedError, ... too)
         raise ValueError(f"not an index snapshot: {exc}") from exc
     return IndexSnapshot(scheme, float(created), clock, regions, servers, router)
 
@@ -197,13 +233,14 @@ def path_problem(path: str) -> str | None:
     return None
 
 
-def write_file(path: str, data: bytes) -> None:
-    """Write whole or not at all: a reader never finds half a snapshot."""
+def write_file(path: str, snapshot: IndexSnapshot) -> None:
+    """Write whole or not at all (a temporary file renamed over it): a reader never finds
+    half a snapshot. Saved straight to the file, not held encoded in memory first."""
     target = Path(path)
     handle, temporary = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.")
     try:
         with os.fdopen(handle, "wb") as out:
-            out.write(data)
+            _save(snapshot, out)
         os.replace(temporary, target)
     except BaseException:
         with contextlib.suppress(OSError):
@@ -211,14 +248,32 @@ def write_file(path: str, data: bytes) -> None:
         raise
 
 
+def remove_leftovers(path: str) -> int:
+    """Temporary files a write killed midway left beside ``path`` (SIGKILL, an OOM kill):
+    removed at start, so that they do not fill the volume. Returns how many."""
+    target = Path(path)
+    removed = 0
+    for leftover in target.parent.glob(f".{target.name}.*"):
+        with contextlib.suppress(OSError):
+            leftover.unlink()
+            removed += 1
+    if removed:
+        log.info("warm start: removed %d unfinished snapshot file(s) beside %s", removed, path)
+    return removed
+
+
 def read_file(path: str, scheme: str, max_age_seconds: float) -> IndexSnapshot | None:
     """The snapshot in ``path`` if it is one this router can use, else None (logged why)."""
     try:
+        size = Path(path).stat().st_size
+        if size > MAX_SNAPSHOT_BYTES:
+            log.warning("warm start: %s is %d bytes, over the limit; starting empty", path, size)
+            return None
         data = Path(path).read_bytes()
     except FileNotFoundError:
         log.info("warm start: no index snapshot at %s yet; starting empty", path)
         return None
-    except OSError as exc:
+    except Exception as exc:  # (a directory, no permission, out of memory: it starts empty)
         log.warning("warm start: cannot read %s (%s); starting empty", path, exc)
         return None
     return _usable(data, f"file {path}", scheme, max_age_seconds)
@@ -259,9 +314,13 @@ def usable_answer(data: bytes, source: str, scheme: str) -> IndexSnapshot | None
 class Handover:
     """A snapshot going into a router's index, endpoint by endpoint (the module docstring).
 
-    ``reads_metrics``: each endpoint's region waits for this router's first metrics reading
-    of it (``endpoint_read``); without, regions go in as soon as their endpoint is a member
-    (``apply_members``)."""
+    ``reads_metrics``: each endpoint's region waits for this router's next metrics reading
+    of it (``endpoint_read``), and goes in only if that reading and the snapshot's tell the
+    same server (a server whose metrics tell no restarts — neither a start time nor
+    counters — is not taken); without metrics, regions go in as soon as their endpoint is a
+    member (``apply_members``), with only ``max_age_seconds`` against a restart. A region
+    whose endpoint is not a member, not ready, or not yet sized waits; one of another KV
+    capacity is dropped; whatever waits is dropped after APPLY_WITHIN_SECONDS."""
 
     def __init__(
         self,
@@ -280,7 +339,13 @@ class Handover:
         self._servers = snapshot.servers
         self.applied: dict[str, int] = {}  # endpoint -> index slots taken
         self.skipped: dict[str, str] = {}  # endpoint -> why not
-        router.make_room_for_handover(snapshot.clock)
+        try:
+            router.make_room_for_handover(snapshot.clock)
+        except Exception:  # (a clock that would wrap: nothing is taken, the router routes on)
+            log.exception("warm start: %s's index cannot be taken", source)
+            self.skipped = dict.fromkeys(self._pending, "failed")
+            self._pending.clear()
+            return
         log.info(
             "warm start: taking %s's index of %d endpoints (%.0f s old)",
             source,
@@ -298,48 +363,54 @@ class Handover:
         """Drop what is still pending once APPLY_WITHIN_SECONDS have passed."""
         if self._pending and self.clock() >= self.deadline:
             for address in self._pending:
-                self.skipped[address] = "not read in time"
+                self.skipped[address] = "not taken in time"
             log.info(
-                "warm start: %d endpoint(s) of %s's index were never read here: %s",
+                "warm start: %d endpoint(s) of %s's index could not be taken in %.0f s: %s",
                 len(self._pending),
                 self.source,
+                APPLY_WITHIN_SECONDS,
                 ", ".join(sorted(self._pending)),
             )
             self._pending.clear()
 
     def apply_members(self) -> None:
         for address in list(self._pending):
-            if self.router.is_member(address):
-                self._apply(address)
+            self._apply(address)
 
     def endpoint_read(self, address: str, reading: EndpointSignals) -> None:
         """This router's metrics reading of ``address`` (after Router.observe_signals)."""
         self.expire()
-        if address not in self._pending or not reading.up or not self.router.is_member(address):
+        if address not in self._pending or not reading.up:
             return
         server = self._servers.get(address)
-        if server is not None:
-            then = EndpointSignals(**{name: server.get(name) for name in _SERVER_FIELDS})
-            if then.tells_restarts and restarted_between(then, reading):
-                del self._pending[address]
-                self.skipped[address] = "its server restarted since"
-                log.info("warm start: %s restarted since the snapshot; not taken", address)
-                return
+        then = None if server is None else EndpointSignals(**server)
+        if then is None or not (then.tells_restarts and reading.tells_restarts):
+            self._drop(address, "its server cannot be told from a restarted one")
+            return
+        if restarted_between(then, reading):
+            self._drop(address, "its server restarted since")
+            return
         self._apply(address)
 
+    def _drop(self, address: str, why: str) -> None:
+        del self._pending[address]
+        self.skipped[address] = why
+        log.info("warm start: %s's part of %s's index not taken: %s", address, self.source, why)
+
     def _apply(self, address: str) -> None:
-        copy = self._pending.pop(address)
+        copy = self._pending[address]
         try:
-            taken = self.router.adopt_index_region(address, copy)
+            refusal = self.router.handover_refusal(address, copy)
+            if refusal == "another KV capacity":
+                self._drop(address, refusal)
+                return
+            if refusal is not None:
+                return  # (it may pass: tried again at its next reading, until expired)
+            self.applied[address] = self.router.index.adopt_region(address, copy)
         except Exception:  # (never the router's end: it routes on without this region)
             log.exception("warm start: %s's region could not be taken", address)
             self.skipped[address] = "failed"
-            return
-        if taken is None:
-            self.skipped[address] = "another KV capacity"
-            log.info("warm start: %s has another KV capacity here; not taken", address)
-            return
-        self.applied[address] = taken
+        del self._pending[address]
         if self.done:
             log.info(
                 "warm start: %s's index taken for %d endpoint(s) (%d blocks)",

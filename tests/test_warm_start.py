@@ -3,7 +3,9 @@ what the new router recorded itself, the snapshot format, and when a region is n
 
 import io
 import random
+import struct
 import time
+import zipfile
 
 import numpy as np
 import orjson
@@ -105,7 +107,7 @@ def test_a_snapshot_survives_its_format_and_a_garbled_one_is_refused():
     # Arrays not the shape their capacity gives; a stamp at or past the clock; a limit.
     header = orjson.loads(np.load(io.BytesIO(data))["header"].tobytes())
     header["endpoints"][0]["capacity"] += WAYS * 10
-    with pytest.raises(ValueError, match="arrays are not"):
+    with pytest.raises(ValueError, match="fingerprints_0 is"):
         warm_start.decode(_with_header(data, header))
     header = orjson.loads(np.load(io.BytesIO(data))["header"].tobytes())
     header["clock"] = 1
@@ -113,6 +115,63 @@ def test_a_snapshot_survives_its_format_and_a_garbled_one_is_refused():
         warm_start.decode(_with_header(data, header))
     with pytest.raises(ValueError, match="unpacks to more than"):
         warm_start.decode(data, limit=1000)
+
+
+def _npy_header_only(shape: tuple[int, ...], dtype: str) -> bytes:
+    """An .npy member that claims ``shape`` and holds nothing after its header."""
+    text = f"{{'descr': '{dtype}', 'fortran_order': False, 'shape': {shape!r}, }}".encode()
+    text += b" " * (63 - (len(text) + 10) % 64) + b"\n"
+    return b"\x93NUMPY\x01\x00" + struct.pack("<H", len(text)) + text
+
+
+def test_a_crafted_snapshot_is_refused_before_it_can_hurt():
+    """What a planted or damaged file could hold: an array header claiming a huge shape (numpy
+    would allocate it before reading), a damaged deflate stream, an encrypted or unknown
+    compression flag, a clock that would wrap the index's stamps, turnover figures that are
+    NaN or negative. Each is a ValueError (the router starts empty), never another error."""
+    router = Router(RoutingConfig(), ENDPOINTS[:1])
+    _routed(router, ["hello " * 100])
+    data = warm_start.encode(warm_start.take(router, SCHEME, {}))
+    with np.load(io.BytesIO(data)) as archive:
+        arrays = {name: archive[name] for name in archive.files}
+    header = orjson.loads(arrays["header"].tobytes())
+
+    def zipped(members: dict[str, bytes], method: int = zipfile.ZIP_STORED) -> bytes:
+        out = io.BytesIO()
+        with zipfile.ZipFile(out, "w", method) as z:
+            for name, body in members.items():
+                z.writestr(f"{name}.npy", body)
+        return out.getvalue()
+
+    def npy(array: np.ndarray) -> bytes:
+        out = io.BytesIO()
+        np.save(out, array)
+        return out.getvalue()
+
+    members = {name: npy(array) for name, array in arrays.items()}
+    huge = {**members, "fingerprints_0": _npy_header_only((2**45,), "<u4")}
+    deflated = bytearray(zipped(members, zipfile.ZIP_DEFLATED))
+    at = deflated.find(b"header.npy") + len(b"header.npy") + 5
+    deflated[at] ^= 0xFF
+    encrypted = bytearray(zipped(members))
+    for signature, offset in ((b"PK\x03\x04", 6), (b"PK\x01\x02", 8)):
+        encrypted[encrypted.find(signature) + offset] |= 1
+    unknown = bytearray(zipped(members))
+    for signature, offset in ((b"PK\x03\x04", 8), (b"PK\x01\x02", 10)):
+        where = unknown.find(signature) + offset
+        unknown[where : where + 2] = struct.pack("<H", 99)
+    crafted = [zipped(huge), bytes(deflated), bytes(encrypted), bytes(unknown)]
+    for change in (
+        {"clock": 2**64 - 1},
+        {"endpoints": [{**header["endpoints"][0], "stamps_seen": "nan"}]},
+        {"endpoints": [{**header["endpoints"][0], "new_seen": -1.0}]},
+        {"endpoints": [{**header["endpoints"][0], "server": {"started": "soon"}}]},
+        {"created": float("nan")},
+    ):
+        crafted.append(_with_header(data, {**header, **change}))
+    for body in crafted:
+        with pytest.raises(ValueError, match="not an index snapshot"):
+            warm_start.decode(body)
 
 
 def _with_header(data: bytes, header: dict) -> bytes:
@@ -129,16 +188,30 @@ def test_a_snapshot_file_is_written_whole_and_an_old_or_foreign_one_is_not_used(
     router.finish(router.route(chat("hello " * 100)))
     path = tmp_path / "index.snapshot"
     assert warm_start.read_file(str(path), SCHEME, 600) is None  # none yet
-    data = warm_start.encode(warm_start.take(router, SCHEME, {}))
-    warm_start.write_file(str(path), data)
-    assert path.read_bytes() == data and [p.name for p in tmp_path.iterdir()] == [path.name]
+    snapshot = warm_start.take(router, SCHEME, {})
+    warm_start.write_file(str(path), snapshot)
+    assert path.read_bytes() == warm_start.encode(snapshot)
+    assert [p.name for p in tmp_path.iterdir()] == [path.name]  # (no temporary file left)
     assert warm_start.read_file(str(path), SCHEME, 600) is not None
     assert warm_start.read_file(str(path), "xxh3-64/128", 600) is None  # another block size
-    old = warm_start.encode(warm_start.take(router, SCHEME, {}, now=time.time() - 700))
+    old = warm_start.take(router, SCHEME, {}, now=time.time() - 700)
     warm_start.write_file(str(path), old)
     assert warm_start.read_file(str(path), SCHEME, 600) is None  # too old
     path.write_bytes(b"garbage")
     assert warm_start.read_file(str(path), SCHEME, 600) is None
+    # What a write killed midway leaves is removed at start; the snapshot itself stays.
+    (tmp_path / ".index.snapshot.k2j3h4").write_bytes(b"half")
+    (tmp_path / "other").write_bytes(b"kept")
+    assert warm_start.remove_leftovers(str(path)) == 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["index.snapshot", "other"]
+    # Over the limit: not read at all.
+    path.write_bytes(b"\0" * 64)
+    monkey = warm_start.MAX_SNAPSHOT_BYTES
+    try:
+        warm_start.MAX_SNAPSHOT_BYTES = 32
+        assert warm_start.read_file(str(path), SCHEME, 600) is None
+    finally:
+        warm_start.MAX_SNAPSHOT_BYTES = monkey
 
 
 def _routed(router: Router, texts: list[str]) -> dict[str, str]:
@@ -180,29 +253,48 @@ def test_a_router_handed_its_predecessors_index_sends_each_prefix_where_it_was_p
     assert again.endpoint == own.endpoint and again.rule == RULE_AFFINITY
 
 
-def test_regions_wait_for_their_endpoints_size_and_expire(monkeypatch):
-    """A provisional index size (the KV size not read yet) takes nothing until the first
-    reading; a region whose endpoint was never read goes after APPLY_WITHIN_SECONDS."""
+def test_regions_wait_for_their_endpoints_size_and_readiness_and_expire():
+    """A provisional index size (the KV size not read yet) or an endpoint out for failed
+    probes takes nothing yet and waits; another KV size drops the region; a region whose
+    endpoint is never read goes after APPLY_WITHIN_SECONDS; and one whose server the
+    snapshot cannot tell from a restarted one (no reading of it) is not taken."""
     old = Router(RoutingConfig(), ENDPOINTS)
     _routed(old, [f"prompt {n} " * 80 for n in range(8)])
-    snapshot = warm_start.take(old, SCHEME, {})
+    readings = {e.address: reading() for e in ENDPOINTS[:3]}  # (the fourth never read)
+    snapshot = warm_start.take(old, SCHEME, readings)
     now = [100.0]
     new = Router(RoutingConfig(), ENDPOINTS, learns_capacity=True)
     handover = warm_start.Handover(snapshot, "test", new, reads_metrics=True, clock=lambda: now[0])
-    first = ENDPOINTS[0].address
-    assert new.adopt_index_region(first, snapshot.regions[first]) is None  # provisional
+    first, second, third, fourth = (e.address for e in ENDPOINTS)
+    assert new.handover_refusal(first, snapshot.regions[first]) == "size not read yet"
     new.observe_signals(first, True)
-    handover.endpoint_read(first, reading(started=None, queries=None))
-    assert first in handover.applied
-    # Another KV size read: not taken.
-    second = ENDPOINTS[1].address
+    handover.endpoint_read(first, reading())
+    assert first in handover.applied and handover.applied[first] > 0
+    # Another KV size read: dropped.
     new.observe_signals(second, True, kv_capacity_tokens=123_456)
     handover.endpoint_read(second, reading())
     assert handover.skipped[second] == "another KV capacity"
-    now[0] += warm_start.APPLY_WITHIN_SECONDS
-    handover.expire()
+    # Out for failed probes (its metrics telling restarts, its index kept): it waits.
+    new.observe_signals(third, True, tells_restarts=True)
+    new.set_health(third, False)
+    handover.endpoint_read(third, reading())
+    assert third not in handover.applied and third not in handover.skipped
+    new.set_health(third, True)
+    new.observe_signals(third, True, tells_restarts=True)
+    handover.endpoint_read(third, reading())
+    assert third in handover.applied
+    # The fourth was never read by the old router: its server cannot be checked.
+    new.observe_signals(fourth, True)
+    handover.endpoint_read(fourth, reading())
+    assert handover.skipped[fourth] == "its server cannot be told from a restarted one"
     assert handover.done
-    assert set(handover.skipped) == {e.address for e in ENDPOINTS[1:]}
+    # Never read here: dropped in time.
+    late = warm_start.Handover(
+        warm_start.take(old, SCHEME, readings), "t", new, reads_metrics=True, clock=lambda: now[0]
+    )
+    now[0] += warm_start.APPLY_WITHIN_SECONDS
+    late.expire()
+    assert late.done and set(late.skipped.values()) == {"not taken in time"}
 
 
 def test_without_metrics_regions_go_in_at_once_for_the_members():
@@ -221,9 +313,9 @@ def test_without_metrics_regions_go_in_at_once_for_the_members():
 
 
 async def test_a_starting_reader_skips_peers_whose_index_is_garbage_missing_or_raises():
-    """Four peers on one test server (a path prefix each): one serves garbage, one has no
-    index (an older router, a supervisor of --workers N: 404), one makes the taker raise,
-    one serves a real snapshot. The reader asks each once, in order, until one is taken,
+    """Five peers on one test server (a path prefix each): one is starting itself (503), one
+    serves garbage, one has no index (an older router, a supervisor of --workers N: 404),
+    one makes the taker raise, one serves a real snapshot. The reader asks each once, in order, until one is taken,
     and asks no more after that; nothing escapes the round."""
     import aiohttp
     from aiohttp import web
@@ -235,7 +327,8 @@ async def test_a_starting_reader_skips_peers_whose_index_is_garbage_missing_or_r
     old = Router(RoutingConfig(), ENDPOINTS)
     _routed(old, [f"prompt {n} " * 80 for n in range(4)])
     good = warm_start.encode(warm_start.take(old, SCHEME, {}))
-    pages = {"garbage": (200, b"\x00garbage"), "missing": (404, b""), "raises": (200, good)}
+    pages = {"starting": (503, b""), "garbage": (200, b"\x00garbage"), "missing": (404, b"")}
+    pages["raises"] = (200, good)
     pages["good"] = (200, good)
     asked: list[str] = []
 
@@ -273,8 +366,10 @@ async def test_a_starting_reader_skips_peers_whose_index_is_garbage_missing_or_r
             await reader._read_an_index(session)  # (taken: no more asked)
     finally:
         await runner.cleanup()
-    assert asked == ["garbage", "missing", "raises", "good"]
+    assert asked == ["starting", "garbage", "missing", "raises", "good"]
     assert taken == [f"127.0.0.1:{port}/good"]
+    # A peer starting itself (503) is asked again in a later round; the others are not.
+    assert reader._index_asked == set(reader._addresses_now) - {f"127.0.0.1:{port}/starting"}
 
 
 async def test_a_snapshot_that_cannot_be_written_is_counted_and_the_router_routes_on(tmp_path):

@@ -573,6 +573,8 @@ class OursPolicy:
         self.signals_every = SignalsConfig().interval_seconds
         self.next_scrape = 0.0
         self.prefill_counters: dict[str, EndpointSignals] = {}
+        # An index handed over at its start (RouterGroup warm_start), going in at its scrapes.
+        self.handover: warm_start.Handover | None = None
         # The other router replicas of the group (RouterGroup), when they share queued work.
         self.peers: list[OursPolicy] = []
         self.peer_every = PeersConfig().interval_seconds
@@ -597,6 +599,7 @@ class OursPolicy:
             # every prefill since the start as arrivals in its first second, and taken
             # itself for one router of very many).
             before = self.prefill_counters.get(address)
+            counters.read_at = now
             self.prefill_counters[address] = counters
             self.router.observe_signals(
                 address,
@@ -607,6 +610,10 @@ class OursPolicy:
                 prefill_window=None if before is None else prefill_window(before, counters),
                 counts_finished=True,
             )
+            if self.handover is not None:
+                self.handover.endpoint_read(address, counters)
+        if self.handover is not None and self.handover.done:
+            self.handover = None
         self.next_scrape = now + self.signals_every
 
     def route(self, request: SimRequest, now: float) -> tuple[int, Any]:
@@ -653,10 +660,15 @@ class OursPolicy:
         self.router.finish(handle)
 
     def hand_index_to(self, fresh: OursPolicy) -> None:
-        """warm_start.py's handover, as the server makes it (less the file or the wire):
-        the fresh router takes this one's index, its own placements counted newer."""
-        snapshot = warm_start.take(self.router, "", {})
-        warm_start.Handover(snapshot, "simulated", fresh.router, reads_metrics=False)
+        """warm_start.py's handover, as the server makes it: this router's index now (what
+        it writes at its stop, or serves a peer starting), encoded and decoded, goes into
+        the fresh router's endpoint by endpoint at its first reading of each, where that
+        reading and this one's tell the same server (warm_start.Handover)."""
+        snapshot = warm_start.take(self.router, "", self.prefill_counters)
+        snapshot = warm_start.decode(warm_start.encode(snapshot))
+        fresh.handover = warm_start.Handover(
+            snapshot, "simulated", fresh.router, reads_metrics=True, clock=lambda: fresh.ctx.now
+        )
 
     def retire(self) -> None:
         """Taken out of the group: no more KV-cache events to queue for it."""

@@ -92,7 +92,7 @@ def test_a_restarted_router_takes_its_predecessors_index_from_the_file(tmp_path)
         stack.respawn(replica_x, int(x.rsplit(":", 1)[1]))
         _, third_router = stack.start_router([x, y], port=port, extra_args=args, ready=True)
         _wait_for(
-            lambda: "restarted since the snapshot" in third_router.log_tail(200),
+            lambda: "its server restarted since" in third_router.log_tail(200),
             "the router never compared X's server with the snapshot's",
         )
         assert _taken(admin, "file") == 0
@@ -112,13 +112,17 @@ def test_a_router_starting_beside_a_peer_takes_its_index(tmp_path):
         conversations = _conversations(x, y, 2)
         peer_args = ["--set", "peers.interval_seconds=0.2", "--set", "peers.share_placements=false"]
         common = [*ROUTER_ARGS, *router_args_for("override-host"), *peer_args]
-        address_a, _ = stack.start_router([x], name="router-a", extra_args=common, ready=True)
+        # (A starting router answers its peers 503 for warm_start.from_peers_seconds: its
+        # index is young. A's is set short, so that B need not wait 30 s.)
+        b_admin = free_port()
+        a_args = [*common, "--set", "warm_start.from_peers_seconds=1"]
+        a_args += ["--set", f"peers.addresses={LOOPBACK}:{b_admin}"]  # (it serves its index)
+        address_a, _ = stack.start_router([x], name="router-a", extra_args=a_args, ready=True)
         envoy_a, _ = stack.start_proxy("override-host", [x], address_a, name="envoy-a")
         for first, _ in conversations:
             response = request(envoy_a, first)
             assert response.status == 200 and response.headers[SERVED] == x
         admin = stack.router_admin_ports
-        b_admin = free_port()
         stack.router_admin_ports["router-b"] = b_admin
         peers = f"{LOOPBACK}:{admin['router-a']},{LOOPBACK}:{b_admin}"
         address_b, router_b = stack.start_router(
