@@ -489,6 +489,68 @@ def test_a_router_continues_on_vllm_the_conversations_its_peer_started(
     assert gained >= 200 * len(conversations)
 
 
+def _gauge(admin_port: int, name: str) -> float:
+    return sum(
+        s.value
+        for f in text_string_to_metric_families(_get(f"http://{LOOPBACK}:{admin_port}/metrics"))
+        for s in f.samples
+        if s.name == name
+    )
+
+
+def test_a_restarted_router_continues_on_vllm_from_its_predecessors_index(
+    vllm_endpoints: list[str], tmp_path
+) -> None:
+    """A router that knows only server X starts conversations there and stops (SIGTERM: it
+    writes its index to warm_start.path); its successor on the same port knows X and Y,
+    takes the file at start (X's start time and counters as the snapshot read them) and
+    sends the second turns to X, although its own rendezvous order says Y, and vLLM on X
+    counts their shared prefix as cache hits."""
+    x, y = vllm_endpoints
+    conversations = []
+    for i in range(60):
+        first = [
+            {"role": "system", "content": f"You are helper number {i} of many. " * 20},
+            {"role": "user", "content": f"Explain subject {i} to me, step by step. " * 25},
+        ]
+        second = [*first, {"role": "assistant", "content": "Sure."}]
+        second.append({"role": "user", "content": "Go on."})
+        body = orjson.dumps({"model": lab.SERVED_MODEL_NAME, "messages": second})
+        if rendezvous_pick(body, (x, y)) == y:
+            conversations.append((first, second))
+        if len(conversations) == 3:
+            break
+    assert len(conversations) == 3
+    snapshot = tmp_path / "index.snapshot"
+    args = ["--set", f"warm_start.path={snapshot}", "--set", "warm_start.interval_seconds=0"]
+    args += ["--set", "signals.interval_seconds=0.5"]
+    with Stack(workdir=tmp_path) as stack:
+        address, first_router = stack.start_router([x], extra_args=args, ready=True)
+        port = int(address.rsplit(":", 1)[1])
+        envoy, _ = stack.start_proxy("override-host", [x, y], address)
+        time.sleep(1.0)  # (its first reading of X's metrics: the snapshot records X's server)
+        for first, _ in conversations:
+            assert _served_chat(envoy, first) == x
+        stack.stop(first_router)
+        assert snapshot.stat().st_size > 0
+        _, second_router = stack.start_router([x, y], port=port, extra_args=args, ready=True)
+        admin = stack.router_admin_ports["router"]
+        deadline = time.monotonic() + 30
+        while (
+            _gauge(admin, "prefix_router_warm_start_blocks_total") <= 0
+            or _gauge(admin, "prefix_router_endpoint_model") < 2  # (both lists read)
+        ):
+            assert time.monotonic() < deadline, second_router.log_tail(40)
+            time.sleep(0.2)
+        before = _hits(x)
+        served = [_served_chat(envoy, second) for _, second in conversations]
+        time.sleep(1.0)
+        gained = _hits(x) - before
+    print(f"second turns served by {served}; vLLM on X counted {gained} more cached tokens")
+    assert served == [x] * len(conversations)
+    assert gained >= 200 * len(conversations)
+
+
 def _answer(address: str, i: int, tokens: int) -> int:
     body = orjson.dumps(
         {
