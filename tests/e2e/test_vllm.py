@@ -438,17 +438,15 @@ def _served_chat(port: int, messages: list[dict]) -> str:
         conn.close()
 
 
-def test_a_router_continues_on_vllm_the_conversations_its_peer_started(
-    vllm_endpoints: list[str],
-) -> None:
-    """Router A (which knows only server X) starts conversations there; router B, reading A's
-    placements (peers), sends their second turns to X too, although its own rendezvous order
-    says Y, and vLLM on X counts those turns' shared prefix as cache hits."""
-    x, y = vllm_endpoints
+def _picked_elsewhere(
+    x: str, y: str, system: str, count: int = 3
+) -> list[tuple[list[dict], list[dict]]]:
+    """(first turn, second turn) of ``count`` conversations whose second turn's rendezvous
+    pick among (x, y) is y: a router that finds them at x was told where they went."""
     conversations = []
     for i in range(60):
         first = [
-            {"role": "system", "content": f"You are assistant number {i}. " * 20},
+            {"role": "system", "content": system.format(i=i) * 20},
             {"role": "user", "content": f"Tell me about topic {i}, in detail. " * 25},
         ]
         second = [*first, {"role": "assistant", "content": "Sure."}]
@@ -456,9 +454,19 @@ def test_a_router_continues_on_vllm_the_conversations_its_peer_started(
         body = orjson.dumps({"model": lab.SERVED_MODEL_NAME, "messages": second})
         if rendezvous_pick(body, (x, y)) == y:
             conversations.append((first, second))
-        if len(conversations) == 3:
-            break
-    assert len(conversations) == 3
+        if len(conversations) == count:
+            return conversations
+    raise AssertionError(f"fewer than {count} conversations have {y} as their pick")
+
+
+def test_a_router_continues_on_vllm_the_conversations_its_peer_started(
+    vllm_endpoints: list[str],
+) -> None:
+    """Router A (which knows only server X) starts conversations there; router B, reading A's
+    placements (peers), sends their second turns to X too, although its own rendezvous order
+    says Y, and vLLM on X counts those turns' shared prefix as cache hits."""
+    x, y = vllm_endpoints
+    conversations = _picked_elsewhere(x, y, "You are assistant number {i}. ")
     with Stack() as stack:
         ports = stack.start_peer_routers(
             {"router-a": [x], "router-b": [x, y]}, ["--set", "peers.interval_seconds=0.2"]
@@ -507,20 +515,7 @@ def test_a_restarted_router_continues_on_vllm_from_its_predecessors_index(
     sends the second turns to X, although its own rendezvous order says Y, and vLLM on X
     counts their shared prefix as cache hits."""
     x, y = vllm_endpoints
-    conversations = []
-    for i in range(60):
-        first = [
-            {"role": "system", "content": f"You are helper number {i} of many. " * 20},
-            {"role": "user", "content": f"Explain subject {i} to me, step by step. " * 25},
-        ]
-        second = [*first, {"role": "assistant", "content": "Sure."}]
-        second.append({"role": "user", "content": "Go on."})
-        body = orjson.dumps({"model": lab.SERVED_MODEL_NAME, "messages": second})
-        if rendezvous_pick(body, (x, y)) == y:
-            conversations.append((first, second))
-        if len(conversations) == 3:
-            break
-    assert len(conversations) == 3
+    conversations = _picked_elsewhere(x, y, "You are helper number {i} of many. ")
     snapshot = tmp_path / "index.snapshot"
     args = ["--set", f"warm_start.path={snapshot}", "--set", "warm_start.interval_seconds=0"]
     args += ["--set", "signals.interval_seconds=0.5"]
