@@ -2,24 +2,32 @@
 
 A fresh router's index is empty: until its own placements fill it, conversations and shared
 prefixes go where the rendezvous order says rather than where they are cached. Simulated, a
-lone router restarted without KV-cache events lost 0.06-0.13 of the hit ratio in the 20-120 s
-after (docs/benchmarks.md, "Router replicas restarting or scaling"). Two sources:
+lone router restarted with nothing handed over lost 0.06-0.15 of the hit ratio in the
+20-120 s after, and at most 0.003 with its predecessor's index (docs/benchmarks.md,
+"Restarts keep the index"). Two sources:
 
 - a file (``warm_start.path``): the router writes its index there every ``interval_seconds``
-  and when it stops, and reads it at start (a container or process restarted in place, a
-  Compose service recreated on a volume); one older than ``max_age_seconds`` is not used;
+  and after the drain when it stops, and reads it at start (a container or process
+  restarted in place, a Compose service recreated on a volume); one older than
+  ``max_age_seconds`` is not used;
 - a peer (``warm_start.from_peers``, with ``peers`` set): a router starting beside others (a
-  rollout's surge pod beside the one it replaces) reads one answering peer's index from its
-  admin port (``GET /peer/index``) once, at its first round of reads.
+  rollout's surge pod beside the one it replaces) reads one established peer's index from
+  its admin port (``GET /peer/index``) once, within ``from_peers_seconds`` of its start; a
+  peer starting itself answers 503 (its index is young) and is asked again later.
 
-The handed index goes in endpoint by endpoint, each at that endpoint's first metrics
-reading by this router: only if the index region has the same size (the same KV capacity)
-and the server is the one the snapshot saw (``signals.restarted_between``: the same start
-time, or counters that did not go down) — a server restarted meanwhile holds nothing. With
-metrics off, at once. What this router routed itself before then counts as newer than
-anything handed over (``PrefixIndex.make_room_below``). The rest of a router's state (load,
-the traffic share, popularity, placement keys) is not handed over: it is measured again in
-seconds, where the index takes the cache's whole turnover to refill.
+The handed index goes in endpoint by endpoint, each at this router's next metrics reading
+of it (Handover): only if the index region has the same size (the same KV capacity) and
+both readings tell the same server (``signals.restarted_between``: the same start time, or
+counters that did not go down) — a server restarted meanwhile holds nothing, and one that
+cannot be told apart is not taken. With metrics off, at once. What this router routed
+itself before then counts as newer than anything handed over
+(``PrefixIndex.make_room_below``). The rest of a router's state (load, the traffic share,
+popularity, placement keys) is not handed over: it is measured again in seconds, where the
+index takes the cache's whole turnover to refill.
+
+Anything read (a file, a peer's answer) is input: ``decode`` refuses whatever is not a
+snapshot this version wrote, before allocating what its headers claim, and the router
+starts empty.
 
 Format: a NumPy ``.npz`` archive (no pickles), a JSON header (``header``) and each region's
 fingerprints and stamps (``fingerprints_<n>``, ``stamps_<n>``); 12 bytes per block of
