@@ -84,25 +84,27 @@ def parse_peer_figures(text: str) -> PeerFigures:
     return PeerFigures(out[OWN_WORK_METRIC], out[OWN_PLACED_METRIC])
 
 
-class _Starting:
-    """fetch_index's answer from a peer that is starting itself (503): ask it again later."""
+class _AskAgain:
+    """fetch_index's answer from a peer that is starting itself (503), or whose index is
+    over the bound this router set (which grows as its own regions get their real sizes):
+    ask it again in a later round."""
 
 
-STARTING = _Starting()
+ASK_AGAIN = _AskAgain()
 
 
 async def fetch_index(
     session: aiohttp.ClientSession, address: str, max_bytes: int = MAX_SNAPSHOT_BYTES
-) -> bytes | _Starting | None:
-    """A peer's index snapshot (warm_start.py); STARTING if the peer is starting itself
-    (503: its index is young); None: no answer, another status (a supervisor of --workers
-    N, an older router, a router without peers: 404), or over ``max_bytes``."""
+) -> bytes | _AskAgain | None:
+    """A peer's index snapshot (warm_start.py); ASK_AGAIN if the peer is starting itself
+    (503: its index is young) or its index is over ``max_bytes``; None: no answer, another
+    status (a supervisor of --workers N, an older router, a router without peers: 404)."""
     url = f"http://{address}{INDEX_PATH}"
     try:
         timeout = aiohttp.ClientTimeout(total=INDEX_TIMEOUT_SECONDS)
         async with session.get(url, timeout=timeout) as response:
             if response.status == 503:
-                return STARTING
+                return ASK_AGAIN
             if response.status != 200:
                 log.info(
                     "peer router %s keeps no index to hand over (%d)", address, response.status
@@ -111,8 +113,9 @@ async def fetch_index(
             body = await read_at_most(response, max_bytes)
             if body is None:
                 log.warning(
-                    "peer router %s: its index is over %d bytes; not read", address, max_bytes
+                    "peer router %s: its index is over %d bytes; not read now", address, max_bytes
                 )
+                return ASK_AGAIN
             return body
     except (aiohttp.ClientError, TimeoutError, OSError) as exc:
         log.info("peer router %s: its index could not be read (%s)", address, exc)
@@ -210,7 +213,7 @@ class PeerReader(EndpointPoller[PeerAnswer]):
             self._index_asked.add(address)
             try:
                 data = await fetch_index(session, address, self.max_index_bytes())
-                if data is STARTING:
+                if data is ASK_AGAIN:
                     self._index_asked.discard(address)  # (asked again next round)
                 elif isinstance(data, bytes) and await self._on_index(address, data):
                     return

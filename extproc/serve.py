@@ -325,10 +325,11 @@ class RouterService:
     async def _take_peer_index(self, address: str, data: bytes) -> bool:
         """A peer's index (PeerReader, while this router is starting): taken if usable."""
         source = f"peer {address}"
-        snapshot = await asyncio.to_thread(usable_answer, data, source, self.scheme)
+        limit = self.peers.max_index_bytes()
+        snapshot = await asyncio.to_thread(usable_answer, data, source, self.scheme, limit)
         if snapshot is None or snapshot.router == self.router.instance:
             return False  # (its own admin port: a DNS name resolves to every replica)
-        if not any(region.fingerprints.any() for region in snapshot.regions.values()):
+        if not _holds_anything(snapshot):
             return False  # (an empty index: another peer may have one)
         if self._handed_over:
             return True
@@ -359,8 +360,8 @@ class RouterService:
         if path is None:
             return False
         async with self._write_lock:
-            snapshot = take(self.router, self.scheme, self.scraper.latest)
             try:
+                snapshot = take(self.router, self.scheme, self.scraper.latest)
                 await asyncio.to_thread(write_file, path, snapshot)
             except Exception as exc:  # (a full disk, a volume gone: the router routes on)
                 log.warning("warm start: cannot write the index to %s: %s", path, exc)
@@ -400,7 +401,7 @@ class RouterService:
         if warm.path is not None:
             remove_leftovers(warm.path)
             snapshot = read_file(warm.path, self.scheme, warm.max_age_seconds)
-            if snapshot is not None:
+            if snapshot is not None and _holds_anything(snapshot):
                 self._begin_handover(snapshot, "file", f"file {warm.path}")
         self._peer_index_until = time.monotonic() + warm.from_peers_seconds
         max_message = self.config.server.max_body_bytes + 1024 * 1024
@@ -496,6 +497,9 @@ class RouterService:
                 self.metrics.refresh(self.router)
                 self._forward_placements()
                 self._handover_progress()
+                served = self._served
+                if served is not None and time.monotonic() - served[0] > SERVED_SNAPSHOT_SECONDS:
+                    self._served = None  # (a copy of the whole index: not kept past its use)
                 source = self._discovery_source
                 if source is not None and source.failures > self._discovery_failures_seen:
                     self.metrics.discovery_failures.inc(
@@ -538,17 +542,29 @@ class RouterService:
         await self.peers.stop()
         if self.cache_events is not None:
             await self.cache_events.stop()
-        for task in (self._refresher, self._discovery, self._snapshot_writer):
+        for task in (self._refresher, self._discovery):
             if task is not None:
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
+        if self._snapshot_writer is not None:
+            # (Under the lock: a write under way, in its thread, ends before the one below.)
+            async with self._write_lock:
+                self._snapshot_writer.cancel()
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await self._snapshot_writer
         if self.server is not None:
             await self.server.stop(max(0.0, grace - (time.monotonic() - started)))
         if self.config.warm_start.path is not None:
             await self.write_snapshot()  # (after the drain: what its last requests placed too)
         if self.admin_runner is not None:
             await self.admin_runner.cleanup()
+
+
+def _holds_anything(snapshot: IndexSnapshot) -> bool:
+    """An empty index (a router that had routed nothing) is no handover: the one handover
+    of a start is kept for one that holds something."""
+    return any(region.fingerprints.any() for region in snapshot.regions.values())
 
 
 def freeze_start_up_heap() -> int:

@@ -139,9 +139,13 @@ MAX_CLOCK = 2**62
 _MAX_HEADER_BYTES = 16 * 2**20
 
 
-def _array(archive: zipfile.ZipFile, name: str, shape: tuple[int, ...], dtype: Any) -> np.ndarray:
-    """Member ``name``.npy, only if its header says ``shape`` and ``dtype`` (checked before
-    anything is allocated: a header may claim any shape), read whole."""
+def _member(
+    archive: zipfile.ZipFile, name: str, dtype: Any, shape: tuple[int, ...] | None, most: int
+) -> np.ndarray:
+    """Member ``name``.npy, only if its header says ``dtype`` and ``shape`` (or, without
+    one, a single dimension of at most ``most`` elements), checked before anything is
+    allocated: a header may claim any shape. Members are stored, not compressed (the only
+    kind ``decode`` opens), so a read is bounded by the input's own size."""
     with archive.open(f"{name}.npy") as member:
         version = np.lib.format.read_magic(member)
         read_header = (
@@ -150,36 +154,40 @@ def _array(archive: zipfile.ZipFile, name: str, shape: tuple[int, ...], dtype: A
             else np.lib.format.read_array_header_2_0
         )
         found_shape, fortran, found_dtype = read_header(member)
-        if tuple(found_shape) != shape or fortran or found_dtype != np.dtype(dtype):
+        found_shape = tuple(found_shape)
+        wanted = shape if shape is not None else found_shape
+        if (
+            found_shape != wanted
+            or len(found_shape) != (len(shape) if shape is not None else 1)
+            or (shape is None and not 0 <= found_shape[0] <= most)
+            or fortran
+            or found_dtype != np.dtype(dtype)
+        ):
             raise ValueError(f"{name} is {found_shape} {found_dtype}, not {shape} {dtype}")
-        size = int(np.prod(shape)) * np.dtype(dtype).itemsize
+        size = int(np.prod(found_shape)) * np.dtype(dtype).itemsize
+        if size > most * np.dtype(dtype).itemsize:
+            raise ValueError(f"{name} is larger than the limit")
         raw = member.read(size + 1)
     if len(raw) != size:
-        raise ValueError(f"{name} is cut")
-    return np.frombuffer(raw, dtype=dtype).reshape(shape)
+        raise ValueError(f"{name} is not as long as its header says")
+    return np.frombuffer(raw, dtype=dtype).reshape(found_shape)
 
 
 def decode(data: bytes, limit: int = MAX_SNAPSHOT_BYTES) -> IndexSnapshot:
-    """A snapshot, checked; ValueError for anything else (garbled, cut, encrypted or oddly
+    """A snapshot, checked; ValueError for anything else (garbled, cut, encrypted or
     compressed members, another version, arrays not the shape their capacity gives, more
-    than ``limit`` bytes unpacked, figures out of range): a file or a peer's answer is
-    input, and whatever it holds the router starts (empty, if it must)."""
+    than ``limit`` bytes in all, figures out of range): a file or a peer's answer is input,
+    and whatever it holds the router starts (empty, if it must)."""
     try:
         with zipfile.ZipFile(io.BytesIO(data)) as archive:
             infos = archive.infolist()
             if sum(info.file_size for info in infos) > limit:
                 raise ValueError(f"unpacks to more than {limit} bytes")
             for info in infos:
-                if info.flag_bits & 0x1 or info.compress_type not in (
-                    zipfile.ZIP_STORED,
-                    zipfile.ZIP_DEFLATED,
-                ):
-                    raise ValueError(f"{info.filename} is encrypted or oddly compressed")
-            size = archive.getinfo("header.npy").file_size
-            if size > _MAX_HEADER_BYTES:
-                raise ValueError("its header is too large")
-            with archive.open("header.npy") as member:
-                header_bytes = np.lib.format.read_array(member, allow_pickle=False).tobytes()
+                # np.savez stores; a compressed member could unpack to far more than it says.
+                if info.flag_bits & 0x1 or info.compress_type != zipfile.ZIP_STORED:
+                    raise ValueError(f"{info.filename} is encrypted or compressed")
+            header_bytes = _member(archive, "header", np.uint8, None, _MAX_HEADER_BYTES).tobytes()
             header: Any = orjson.loads(header_bytes)
             if not isinstance(header, dict) or header.get("version") != VERSION:
                 raise ValueError("not a version-1 snapshot")
@@ -201,8 +209,11 @@ def decode(data: bytes, limit: int = MAX_SNAPSHOT_BYTES) -> IndexSnapshot:
                 if not isinstance(address, str) or not isinstance(capacity, int) or capacity < 1:
                     raise ValueError("an endpoint's address or capacity is wrong")
                 shape = (_buckets_for(capacity), WAYS)
-                fingerprints = _array(archive, f"fingerprints_{n}", shape, np.uint32)
-                stamps = _array(archive, f"stamps_{n}", shape, np.uint64)
+                slots = shape[0] * WAYS
+                if slots * 12 > limit:
+                    raise ValueError(f"{address}: a capacity of {capacity} is over the limit")
+                fingerprints = _member(archive, f"fingerprints_{n}", np.uint32, shape, slots)
+                stamps = _member(archive, f"stamps_{n}", np.uint64, shape, slots)
                 if stamps.size and int(stamps.max()) >= clock:
                     raise ValueError(f"{address}: a stamp is not below the clock")
                 turnover = [entry["stamps_seen"], entry["new_seen"]]
@@ -287,9 +298,11 @@ def read_file(path: str, scheme: str, max_age_seconds: float) -> IndexSnapshot |
     return _usable(data, f"file {path}", scheme, max_age_seconds)
 
 
-def _usable(data: bytes, source: str, scheme: str, max_age_seconds: float) -> IndexSnapshot | None:
+def _usable(
+    data: bytes, source: str, scheme: str, max_age_seconds: float, limit: int = MAX_SNAPSHOT_BYTES
+) -> IndexSnapshot | None:
     try:
-        snapshot = decode(data)
+        snapshot = decode(data, limit)
     except ValueError as exc:
         log.warning("warm start: %s is not usable (%s); starting empty", source, exc)
         return None
@@ -314,9 +327,12 @@ def _usable(data: bytes, source: str, scheme: str, max_age_seconds: float) -> In
     return snapshot
 
 
-def usable_answer(data: bytes, source: str, scheme: str) -> IndexSnapshot | None:
-    """A peer's answer (``GET /peer/index``), taken whatever its age: it was made just now."""
-    return _usable(data, source, scheme, float("inf"))
+def usable_answer(
+    data: bytes, source: str, scheme: str, limit: int = MAX_SNAPSHOT_BYTES
+) -> IndexSnapshot | None:
+    """A peer's answer (``GET /peer/index``), taken whatever its age (it was made just
+    now), unpacking to at most ``limit`` bytes."""
+    return _usable(data, source, scheme, float("inf"), limit)
 
 
 class Handover:

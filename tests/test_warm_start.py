@@ -160,18 +160,24 @@ def test_a_crafted_snapshot_is_refused_before_it_can_hurt():
     for signature, offset in ((b"PK\x03\x04", 8), (b"PK\x01\x02", 10)):
         where = unknown.find(signature) + offset
         unknown[where : where + 2] = struct.pack("<H", 99)
-    crafted = [zipped(huge), bytes(deflated), bytes(encrypted), bytes(unknown)]
+    # A header member claiming a 300 MB element type; an endpoint whose capacity alone is
+    # over the limit; a deflated member (even an honest one: np.savez stores).
+    void = {**members, "header": _npy_header_only((1,), "|V300000000")}
+    crafted = [zipped(huge), bytes(deflated), bytes(encrypted), bytes(unknown), zipped(void)]
+    crafted.append(zipped(members, zipfile.ZIP_DEFLATED))
     for change in (
         {"clock": 2**64 - 1},
         {"endpoints": [{**header["endpoints"][0], "stamps_seen": "nan"}]},
         {"endpoints": [{**header["endpoints"][0], "new_seen": -1.0}]},
         {"endpoints": [{**header["endpoints"][0], "server": {"started": "soon"}}]},
         {"created": float("nan")},
+        {"endpoints": [{**header["endpoints"][0], "capacity": 2**40}]},
     ):
         crafted.append(_with_header(data, {**header, **change}))
     for body in crafted:
         with pytest.raises(ValueError, match="not an index snapshot"):
             warm_start.decode(body)
+    assert warm_start.decode(zipped(members)).clock == header["clock"]  # (the honest one)
 
 
 def _with_header(data: bytes, header: dict) -> bytes:
@@ -376,6 +382,7 @@ async def test_a_snapshot_that_cannot_be_written_is_counted_and_the_router_route
     """The file cannot be replaced (a directory took its name: root writes anywhere, so a
     read-only directory would not stop it): the write fails, is counted and logged, the
     next one succeeds, and the stop writes the index the router has then."""
+    from extproc import serve
     from extproc.config import Config
     from extproc.serve import RouterService
 
@@ -391,6 +398,7 @@ async def test_a_snapshot_that_cannot_be_written_is_counted_and_the_router_route
         }
     )
     service = RouterService(config)
+    real_take = serve.take
     failed = service.metrics.index_snapshots.labels("failed")
     written = service.metrics.index_snapshots.labels("written")
     before_failed, before_written = failed._value.get(), written._value.get()
@@ -399,6 +407,18 @@ async def test_a_snapshot_that_cannot_be_written_is_counted_and_the_router_route
         path.mkdir()
         assert await service.write_snapshot() is False
         assert failed._value.get() == before_failed + 1
+        path.rmdir()
+
+        def no_memory(*args, **kwargs):
+            raise MemoryError
+
+        serve.take = no_memory  # (taking the copy fails too: counted, the writes go on)
+        try:
+            assert await service.write_snapshot() is False
+        finally:
+            serve.take = real_take
+        assert failed._value.get() == before_failed + 2
+        path.mkdir()
         path.rmdir()
         _routed(service.router, ["a conversation of its own " * 40])
         assert await service.write_snapshot() is True
