@@ -1247,11 +1247,6 @@ class Router:
         regions = {address: self.index.export_region(address) for address in self._addresses}
         return self.index.clock, {a: r for a, r in regions.items() if r is not None}
 
-    def make_room_for_handover(self, clock: int) -> None:
-        """Before adopting regions taken at ``clock``: what this router recorded itself
-        stays newer than anything handed over (PrefixIndex.make_room_below)."""
-        self.index.make_room_below(clock)
-
     def handover_refusal(self, address: str, copy: RegionCopy) -> str | None:
         """Why a region another router's index held cannot go in here now, or None: "not a
         member", "not ready" (out for failed probes, or not ready with its index emptied),
@@ -1267,13 +1262,6 @@ class Router:
         if self._capacity_blocks[i] != copy.capacity:
             return "another KV capacity"
         return None
-
-    def adopt_index_region(self, address: str, copy: RegionCopy) -> int | None:
-        """Merge a region another router's index held (its own entries first); returns the
-        slots taken, or None where it cannot go now (``handover_refusal``)."""
-        if self.handover_refusal(address, copy) is not None:
-            return None
-        return self.index.adopt_region(address, copy)
 
     # -- index updates ----------------------------------------------------------------------
     def _update(self, i: int, stored: bool, hashes: np.ndarray, age: int = 0) -> None:

@@ -329,7 +329,7 @@ class RouterService:
         snapshot = await asyncio.to_thread(usable_answer, data, source, self.scheme, limit)
         if snapshot is None or snapshot.router == self.router.instance:
             return False  # (its own admin port: a DNS name resolves to every replica)
-        if not _holds_anything(snapshot):
+        if not snapshot.holds_anything():
             return False  # (an empty index: another peer may have one)
         if self._handed_over:
             return True
@@ -343,8 +343,8 @@ class RouterService:
         if self._starting():
             return None
         async with self._serve_lock:
-            served = self._served
-            if served is None or time.monotonic() - served[0] > SERVED_SNAPSHOT_SECONDS:
+            served = self._served_still_fresh()
+            if served is None:
                 snapshot = take(self.router, self.scheme, self.scraper.latest)  # (on the loop)
                 self._served = None  # (the old one may go before the new one is made)
                 self._served = served = (
@@ -353,6 +353,13 @@ class RouterService:
                 )
         self.metrics.index_snapshots.labels("served").inc()
         return served[1]
+
+    def _served_still_fresh(self) -> tuple[float, bytes] | None:
+        """The encoding last served to a peer, while peers may still share it."""
+        served = self._served
+        if served is None or time.monotonic() - served[0] > SERVED_SNAPSHOT_SECONDS:
+            return None
+        return served
 
     async def write_snapshot(self) -> bool:
         """Write the index to warm_start.path (whole or not at all); False if it failed."""
@@ -401,7 +408,7 @@ class RouterService:
         if warm.path is not None:
             remove_leftovers(warm.path)
             snapshot = read_file(warm.path, self.scheme, warm.max_age_seconds)
-            if snapshot is not None and _holds_anything(snapshot):
+            if snapshot is not None and snapshot.holds_anything():
                 self._begin_handover(snapshot, "file", f"file {warm.path}")
         self._peer_index_until = time.monotonic() + warm.from_peers_seconds
         max_message = self.config.server.max_body_bytes + 1024 * 1024
@@ -497,9 +504,7 @@ class RouterService:
                 self.metrics.refresh(self.router)
                 self._forward_placements()
                 self._handover_progress()
-                served = self._served
-                if served is not None and time.monotonic() - served[0] > SERVED_SNAPSHOT_SECONDS:
-                    self._served = None  # (a copy of the whole index: not kept past its use)
+                self._served = self._served_still_fresh()  # (a whole index: not kept longer)
                 source = self._discovery_source
                 if source is not None and source.failures > self._discovery_failures_seen:
                     self.metrics.discovery_failures.inc(
@@ -559,12 +564,6 @@ class RouterService:
             await self.write_snapshot()  # (after the drain: what its last requests placed too)
         if self.admin_runner is not None:
             await self.admin_runner.cleanup()
-
-
-def _holds_anything(snapshot: IndexSnapshot) -> bool:
-    """An empty index (a router that had routed nothing) is no handover: the one handover
-    of a start is kept for one that holds something."""
-    return any(region.fingerprints.any() for region in snapshot.regions.values())
 
 
 def freeze_start_up_heap() -> int:

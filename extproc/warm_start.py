@@ -85,6 +85,11 @@ class IndexSnapshot:
     def age(self, now: float | None = None) -> float:
         return (time.time() if now is None else now) - self.created
 
+    def holds_anything(self) -> bool:
+        """An empty index (a router that had routed nothing) is no handover: a start's one
+        handover is kept for one that holds something."""
+        return any(region.fingerprints.any() for region in self.regions.values())
+
 
 def take(
     router: Router, scheme: str, readings: Mapping[str, EndpointSignals], now: float | None = None
@@ -364,7 +369,7 @@ class Handover:
         self.applied: dict[str, int] = {}  # endpoint -> index slots taken
         self.skipped: dict[str, str] = {}  # endpoint -> why not
         try:
-            router.make_room_for_handover(snapshot.clock)
+            router.index.make_room_below(snapshot.clock)  # (its own stays newer)
         except Exception:  # (a clock that would wrap: nothing is taken, the router routes on)
             log.exception("warm start: %s's index cannot be taken", source)
             self.skipped = dict.fromkeys(self._pending, "failed")

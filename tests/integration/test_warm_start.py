@@ -9,12 +9,11 @@ only if the new router was handed where they were placed; without it they go to 
 
 from __future__ import annotations
 
-import time
-
 from extproc.stack import LOOPBACK, Stack, free_port, router_args_for
 
 from ..rendezvous import rendezvous_pick
 from ..router_gauges import models_known
+from ..waiting import wait_until
 from .conftest import chat_body, request
 from .test_observability import samples
 from .test_router_replicas import FAST, ROUTER_ARGS
@@ -42,10 +41,7 @@ def _taken(admin_port: int, source: str) -> float:
 
 
 def _wait_for(condition, what: str, timeout: float = 15.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, what
-        time.sleep(0.1)
+    assert wait_until(condition, timeout), what
 
 
 def _lists_read(admin_port: int, endpoints: list[str]) -> None:
