@@ -71,10 +71,11 @@ class CacheEventSubscriber:
         config: CacheEventsConfig,
         translation: Translation,
         addresses: Callable[[], list[str]],
-        on_changes: Callable[[str, Changes], set[bool | None]],
+        on_changes: Callable[[str, Changes, bool], set[bool | None]],
         on_count: Callable[[str, str, int], None] | None = None,
     ) -> None:
-        """``on_changes(endpoint, changes)`` applies them and returns the kinds it applied
+        """``on_changes(endpoint, changes, replayed)`` applies them (``replayed``: read from
+        the endpoint's replay socket, its history in order) and returns the kinds it applied
         (True: stores, False: evictions, None: a clear); the rest the router ignored.
         ``on_count(endpoint, kind, n)``: each addition to ``counts`` (the metrics)."""
         self.config = config
@@ -214,7 +215,7 @@ class CacheEventSubscriber:
                     break
                 sequence = int.from_bytes(reply[2], "big")
                 if sequence < stop and (expected is None or sequence >= expected):
-                    expected = await self.handle(endpoint, reply[1:], expected)
+                    expected = await self.handle(endpoint, reply[1:], expected, replayed=True)
                     self._count(endpoint, "replayed_messages", 1)
         except TimeoutError:
             self._count(endpoint, "replay_timeouts", 1)
@@ -228,10 +229,12 @@ class CacheEventSubscriber:
             if self._on_count is not None:
                 self._on_count(endpoint, kind, n)
 
-    async def handle(self, endpoint: str, frames: list[bytes], expected: int | None) -> int | None:
-        """One message: translated and applied, a long stored chain a piece at a time with
-        decisions let run after each piece (``in_pieces``) and after the message; returns
-        the sequence number expected next."""
+    async def handle(
+        self, endpoint: str, frames: list[bytes], expected: int | None, replayed: bool = False
+    ) -> int | None:
+        """One message (``replayed``: from the replay socket): translated and applied, a
+        long stored chain a piece at a time with decisions let run after each piece
+        (``in_pieces``) and after the message; returns the sequence number expected next."""
         table = self.tables.get(endpoint)
         if table is None:
             return expected
@@ -247,7 +250,7 @@ class CacheEventSubscriber:
             self._sequence_restarts[endpoint] = self.clock()
             self._count(endpoint, "restarts", 1)
             table.cleared()
-            self._on_changes(endpoint, [(None, EMPTY)])
+            self._on_changes(endpoint, [(None, EMPTY)], replayed)
         ignored = False
         for part in in_pieces(events, PIECE_TOKENS):
             untranslated = table.untranslated
@@ -259,7 +262,7 @@ class CacheEventSubscriber:
                 self._count(endpoint, "malformed_messages", 1)
                 break
             self._count(endpoint, "untranslated_blocks", table.untranslated - untranslated)
-            applied = self._on_changes(endpoint, changes) if changes else set()
+            applied = self._on_changes(endpoint, changes, replayed) if changes else set()
             for held, hashes in changes:
                 if held is not None and not len(hashes):
                     continue  # (blocks that gave the router none: untranslated_blocks)

@@ -1146,7 +1146,10 @@ class Router:
 
     # -- the endpoints' own cache reports -------------------------------------------------
     def observe_cache_events(
-        self, address: str, events: Sequence[tuple[bool | None, np.ndarray]]
+        self,
+        address: str,
+        events: Sequence[tuple[bool | None, np.ndarray]],
+        replayed: bool = False,
     ) -> set[bool | None]:
         """What an endpoint reports it stored and evicted (vLLM's KV-cache events), in
         order, each (stored, block hashes of this router's), or (None, ...): it cleared its
@@ -1171,7 +1174,14 @@ class Router:
         the sums decayed with time: 0.331 of hit ratio without events, 0.317 with, 0.331 with
         this; docs/benchmarks.md) — for at
         most UNMEASURED_EVICTIONS_SKIP_SECONDS after its first events, as at low traffic the
-        share may stay unmeasured. A cleared cache empties the endpoint's index either way.
+        share may stay unmeasured. Events ``replayed`` from the endpoint's buffer (asked
+        for at a late start or after lost messages) are its history in order, not news of
+        other routers' placements: their evictions are applied whatever the share, or a
+        replay would enter every block the endpoint stored and has since evicted (a lone
+        router restarted on the simulator's GAIE shape lost 0.083 of the next window's hit
+        ratio with the whole buffer replayed, 0.048 with its evictions applied;
+        docs/benchmarks.md, "A replay's evictions applied"). A cleared cache empties the
+        endpoint's index either way.
         Returns the kinds applied (True: stores, False: evictions, None: a clear)."""
         i = self._position.get(address)
         applied: set[bool | None] = set()
@@ -1182,7 +1192,8 @@ class Router:
             self._events_first_read = now
         alone = self._share_measured and self._traffic_share >= self.config.balance_min_share
         skip_evictions = (
-            not self._share_measured
+            not replayed
+            and not self._share_measured
             and now - self._events_first_read < UNMEASURED_EVICTIONS_SKIP_SECONDS
         )
         for stored, run in itertools.groupby(events, key=lambda event: event[0]):

@@ -590,7 +590,7 @@ async def test_a_fault_while_reading_an_endpoints_events_is_counted_and_reading_
         CacheEventsConfig(publisher="ipc:///x-{port}", topic="kv", model_dir="x", model=MODEL),
         translation,
         lambda: ["127.0.0.1:8001"],
-        lambda endpoint, changes: {None, True, False},
+        lambda endpoint, changes, replayed: {None, True, False},
     )
     calls = 0
 
@@ -809,7 +809,9 @@ async def test_decisions_run_between_messages_and_between_pieces_of_one(
         CacheEventsConfig(publisher="ipc:///x-{port}", topic="kv", model_dir="x", model=MODEL),
         translation,
         lambda: ["127.0.0.1:8001"],
-        lambda endpoint, changes: handled.append(len(changes)) or {held for held, _ in changes},
+        lambda endpoint, changes, replayed: (
+            handled.append(len(changes)) or {held for held, _ in changes}
+        ),
     )
     monkeypatch.setattr(subscriber, "_socket", lambda kind, address: WaitingSocket())
     seen_by_a_decision: list[int] = []
@@ -838,13 +840,29 @@ async def test_a_late_subscriber_asks_the_replay_socket_for_what_it_missed(
     live. The router asks the replay socket (served here as vLLM serves it: a ROUTER that
     sends every buffered message from the asked sequence, then an end marker) for the
     earlier messages, so the extension translates; without the replay socket it cannot
-    (its parent is unknown) and the gap is counted."""
+    (its parent is unknown) and the gap is counted. The buffer also holds another chain,
+    stored and then evicted: the replay is the endpoint's history in order, so the router
+    (yet to measure its traffic share, when it would skip a live eviction) applies both
+    and does not take the endpoint for a holder of what it evicted."""
     messages = _first_turn()
     prompt = _encode(_rendered(messages))
     ids = prompt + _encode(REPLY)
     events = _events_of(ids, len(prompt) // VLLM_BLOCK)
+    other = [{"role": "user", "content": "A question of another application. " * 12}]
+    other_prompt = _encode(_rendered(other))
+    # (its own vLLM block hashes: _events_of numbers a chain's blocks from 1)
+    other_stored = [
+        {
+            **event,
+            "block_hashes": [h + 1000 for h in event["block_hashes"]],
+            "parent_block_hash": None,
+        }  # type: ignore[attr-defined]
+        for event in _events_of(other_prompt, len(other_prompt) // VLLM_BLOCK)[:1]
+    ]
+    other_evicted = [{"type": "BlockRemoved", "block_hashes": other_stored[0]["block_hashes"]}]
+    history = [other_stored, *([event] for event in events[:-1]), other_evicted]
     buffered = [
-        (seq, msgspec.msgpack.encode([0.0, [event], 0])) for seq, event in enumerate(events[:-1])
+        (seq, msgspec.msgpack.encode([0.0, payload, 0])) for seq, payload in enumerate(history)
     ]
     live = (len(buffered), msgspec.msgpack.encode([0.0, [events[-1]], 0]))
     next_turn = [
@@ -909,6 +927,16 @@ async def test_a_late_subscriber_asks_the_replay_socket_for_what_it_missed(
                     assert counts["127.0.0.1:8002", "replayed_messages"] == len(buffered)
                     assert counts["127.0.0.1:8002", "untranslated_blocks"] == 0
                     assert matched >= len(whole) - 1, (matched, len(whole))
+                    assert counts["127.0.0.1:8002", "removed_blocks"] > 0, dict(counts)
+                    assert not counts["127.0.0.1:8002", "ignored_messages"]
+                    other_hashes = _router_hashes(other)
+                    shared = next(
+                        n
+                        for n, (a, b) in enumerate(zip([*other_hashes, -1], whole, strict=False))
+                        if a != b
+                    )
+                    held = router.index.match(other_hashes, ["127.0.0.1:8002"])
+                    assert held.get("127.0.0.1:8002", 0) <= shared < len(other_hashes) - 1
                 else:
                     assert counts["127.0.0.1:8002", "untranslated_blocks"] > 0 and matched == 0
             finally:

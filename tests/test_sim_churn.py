@@ -199,9 +199,10 @@ def test_cli_churn_and_simulate_router_changes(tmp_path, capsys) -> None:
         main([*sim, "--router-changes", "8:restart", "--sweep-k", "1,2"])
 
 
-def _fresh_router_after_events(chat: Workload, replay: int):
-    """One router routes 20 requests and the replicas announce their blocks; then it is
-    restarted and its successor routes one request: (its queue before that, its index)."""
+def _fresh_router_after_events(chat: Workload, replay: int, evict: int = 0):
+    """One router routes 20 requests and the replicas announce their blocks (and the
+    eviction of the first ``evict`` requests' blocks); then it is restarted and its
+    successor routes one request: (its queue before that, its index entries)."""
     ctx = PolicyContext(
         [Replica(i, 20_000, CostModel(), "preempt") for i in range(4)],
         random.Random(0),
@@ -211,10 +212,14 @@ def _fresh_router_after_events(chat: Workload, replay: int):
     )
     group = make_policy("ours", ctx, 1, 16)
     feed = group.instances[0].cache_events
+    placed = []
     for request in chat.requests[:20]:
         ctx.now = request.arrival_s
         replica, _ = group.route(request, ctx.now)
         feed._publish(replica, [(True, chunk, request.chunk_tokens) for chunk in request.ids])
+        placed.append((replica, request))
+    for replica, request in placed[:evict]:
+        feed._publish(replica, [(False, chunk, request.chunk_tokens) for chunk in request.ids])
     group.restart()
     fresh = group.instances[-1]
     queued = [message[0] for message in fresh.event_queue]
@@ -234,6 +239,15 @@ def test_a_router_started_late_replays_what_the_replicas_still_buffer(chat: Work
     assert none == 0 and 0 < two <= 2 * 4 and every == 20
     assert alone > 0  # the request it routed itself
     assert full > some > alone
+
+
+def test_a_replay_applies_the_evictions_it_carries(chat: Workload) -> None:
+    """The replayed messages are each replica's history in order, so the successor applies
+    their evictions too, though a router yet to measure its traffic share skips live ones
+    (Router.observe_cache_events): what was stored and then evicted is not in its index."""
+    _, kept = _fresh_router_after_events(chat, 10_000)
+    queued, after_evictions = _fresh_router_after_events(chat, 10_000, evict=5)
+    assert queued == 25 and after_evictions < kept
 
 
 def test_replayed_events_take_most_of_a_lone_routers_restart_cost_away() -> None:

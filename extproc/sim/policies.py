@@ -551,6 +551,8 @@ class OursPolicy:
         # KV-cache events: this replica's queue of them, and the router's blocks per chunk.
         self.cache_events = cache_events
         self.event_queue = cache_events.subscribe() if cache_events is not None else None
+        # The messages queued at subscribing are the replayed ones (the replicas' buffers).
+        self.replayed_left = len(self.event_queue) if self.event_queue is not None else 0
         self.block_tokens = config.block_size_bytes // BYTES_PER_TOKEN
         if cache_events is not None and chunk_tokens % self.block_tokens:
             raise ValueError(
@@ -644,16 +646,19 @@ class OursPolicy:
         return self.replica_of[decision.endpoint], decision
 
     def _read_cache_events(self, now: float) -> None:
-        """Every event that reached this router by ``now``, one batch per replica."""
+        """Every event that reached this router by ``now``, one batch per replica and kind
+        (the replayed ones, queued first when it subscribed, then live)."""
         queue, feed = self.event_queue, self.cache_events
         assert queue is not None and feed is not None
-        due: dict[int, list[tuple[bool, int, int]]] = {}
+        due: dict[tuple[bool, int], list[tuple[bool, int, int]]] = {}
         while queue and queue[0][0] + feed.delay <= now:
             _, replica, events = queue.popleft()
-            due.setdefault(replica, []).extend(events)
-        for replica, events in due.items():
+            replayed = self.replayed_left > 0
+            self.replayed_left -= replayed
+            due.setdefault((replayed, replica), []).extend(events)
+        for (replayed, replica), events in due.items():
             self.router.observe_cache_events(
-                self.addresses[replica], feed.hashes(events, self.block_tokens)
+                self.addresses[replica], feed.hashes(events, self.block_tokens), replayed
             )
 
     def finish(self, handle: Any) -> None:
