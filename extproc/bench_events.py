@@ -253,8 +253,8 @@ def backlog_stall(
         )
         handle = subscriber.handle
 
-        async def counted(*args: Any) -> int | None:
-            expected = await handle(*args)
+        async def counted(*args: Any, **kwargs: Any) -> int | None:
+            expected = await handle(*args, **kwargs)
             handled.append(1)
             return expected
 

@@ -1176,12 +1176,12 @@ class Router:
         most UNMEASURED_EVICTIONS_SKIP_SECONDS after its first events, as at low traffic the
         share may stay unmeasured. Events ``replayed`` from the endpoint's buffer (asked
         for at a late start or after lost messages) are its history in order, not news of
-        other routers' placements: their evictions are applied whatever the share, or a
-        replay would enter every block the endpoint stored and has since evicted (a lone
-        router restarted on the simulator's GAIE shape lost 0.083 of the next window's hit
-        ratio with the whole buffer replayed, 0.048 with its evictions applied;
-        docs/benchmarks.md, "A replay's evictions applied"). A cleared cache empties the
-        endpoint's index either way.
+        other routers' placements: their evictions are applied before the share is measured
+        too (a router alone still ignores them), or a replay would enter every block the
+        endpoint stored and has since evicted (a lone router restarted on the simulator's
+        GAIE shape lost 0.083 of the next window's hit ratio with the whole buffer
+        replayed, 0.048 with its evictions applied; docs/benchmarks.md, "A replay's
+        evictions applied"). A cleared cache empties the endpoint's index either way.
         Returns the kinds applied (True: stores, False: evictions, None: a clear)."""
         i = self._position.get(address)
         applied: set[bool | None] = set()

@@ -244,7 +244,8 @@ def test_a_router_started_late_replays_what_the_replicas_still_buffer(chat: Work
 def test_a_replay_applies_the_evictions_it_carries(chat: Workload) -> None:
     """The replayed messages are each replica's history in order, so the successor applies
     their evictions too, though a router yet to measure its traffic share skips live ones
-    (Router.observe_cache_events): what was stored and then evicted is not in its index."""
+    (Router.observe_cache_events): its index holds fewer entries than when the same
+    blocks were stored and never evicted."""
     _, kept = _fresh_router_after_events(chat, 10_000)
     queued, after_evictions = _fresh_router_after_events(chat, 10_000, evict=5)
     assert queued == 25 and after_evictions < kept
