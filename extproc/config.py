@@ -692,7 +692,9 @@ class WarmStartConfig(_Strict):
     path: str | None = Field(
         default=None,
         description="file the index is written to (every interval_seconds and at stop) and "
-        "read from at start; unset: none. Not with --workers N > 1",
+        "read from at start; unset: none. With --workers N > 1 each worker has a file of its "
+        "own: this path with '.worker-K' appended (K: its slot, 0 to N-1, kept by a worker "
+        "started again in its place)",
     )
     interval_seconds: float = Field(
         default=30.0, ge=0, description="time between writes of path (0: only at stop)"
@@ -856,15 +858,6 @@ class Config(_Strict):
         if isinstance(value, list | tuple):
             return [{"address": v} if isinstance(v, str) else v for v in value]
         return value
-
-    @model_validator(mode="after")
-    def _one_writer_of_the_snapshot(self) -> Config:
-        if self.warm_start.path is not None and self.server.workers > 1:
-            raise ValueError(
-                "warm_start.path: not with server.workers > 1 (each worker has its own index; "
-                "they would write one file in turn)"
-            )
-        return self
 
     @field_validator("endpoints")
     @classmethod

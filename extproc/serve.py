@@ -660,6 +660,19 @@ class _ToSupervisor:
                 self._connection.send(self._backlog.get())
 
 
+def worker_config_data(config_data: dict[str, Any], slot: int) -> dict[str, Any]:
+    """The configuration of the worker in ``slot``: its own index file, as each worker has
+    an index of its own (the workers' placements shared through the supervisor make them
+    alike, not one); written in turn to one file, each restart would take one worker's."""
+    path = config_data.get("warm_start", {}).get("path")
+    if path is None:
+        return config_data
+    return {
+        **config_data,
+        "warm_start": {**config_data["warm_start"], "path": f"{path}.worker-{slot}"},
+    }
+
+
 def _worker_main(
     config_data: dict[str, Any], log_level: str, connection: Any, heartbeat: Any
 ) -> None:
@@ -723,11 +736,14 @@ class _Supervisor:
         self.workers: list[_Worker] = []
         self.restarts = WorkerRestarts()
 
-    def spawn(self) -> _Worker:
+    def spawn(self, slot: int) -> _Worker:
+        """The worker in ``slot`` (0 to N-1; one started again in a dead one's place takes its
+        slot, and with it its index file: warm_start.path + '.worker-K')."""
         reader, writer = self.ctx.Pipe(duplex=False)
         heartbeat = self.ctx.Value("d", 0.0, lock=False)  # (0: no beat yet)
         process = self.ctx.Process(
-            target=_worker_main, args=(self.data, self.log_level, writer, heartbeat)
+            target=_worker_main,
+            args=(worker_config_data(self.data, slot), self.log_level, writer, heartbeat),
         )
         worker = _Worker(process, heartbeat, started=time.monotonic())
         process.start()
@@ -813,7 +829,7 @@ class _Supervisor:
     def run(self) -> int:
         signal.signal(signal.SIGTERM, self.on_signal)
         signal.signal(signal.SIGINT, self.on_signal)
-        self.workers = [self.spawn() for _ in range(self.config.server.workers)]
+        self.workers = [self.spawn(slot) for slot in range(self.config.server.workers)]
         if self.config.server.admin_listen:
             threading.Thread(target=self._admin_thread, name="admin", daemon=True).start()
         quick_failures: list[float] = []
@@ -845,7 +861,7 @@ class _Supervisor:
                     return self._wait_for_workers(1)
                 log.warning("worker pid %s exited with %s; restarting", p.pid, p.exitcode)
                 self.restarts.counts["hung" if worker.hung else "exited"] += 1
-                self.workers[i] = self.spawn()
+                self.workers[i] = self.spawn(i)
 
     def _kill_if_hung(self, worker: _Worker, now: float) -> None:
         """SIGKILL a worker whose heartbeat moved before and not for

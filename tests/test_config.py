@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from extproc.config import ConfigError, load_config
+from extproc.config import Config, ConfigError, load_config
 
 
 def test_defaults_are_valid():
@@ -115,8 +115,8 @@ def test_cli_rejects_invalid_config_with_exit_code_2(capsys):
 
 def test_a_warm_start_file_the_router_cannot_keep_stops_it_at_start(tmp_path, capsys):
     """warm_start.path is checked where the router runs (a ConfigMap is checked elsewhere):
-    a missing or unwritable directory, or a directory named, stop `serve` with exit code 2;
-    with --workers N > 1 the configuration itself is refused (each worker has an index)."""
+    a missing or unwritable directory, or a directory named, stop `serve` with exit code 2,
+    with --workers N too (before any worker starts)."""
     from extproc.cli import main
 
     for path, why in (
@@ -131,6 +131,23 @@ def test_a_warm_start_file_the_router_cannot_keep_stops_it_at_start(tmp_path, ca
     if not os.access(locked, os.W_OK):  # (root writes anywhere)
         assert main(["serve", "--set", f"warm_start.path={locked / 'index'}"]) == 2
         assert "not writable" in capsys.readouterr().err
-    args = ["serve", "--workers", "2", "--set", f"warm_start.path={tmp_path / 'index'}"]
-    assert main(args) == 2
-    assert "warm_start.path: not with server.workers > 1" in capsys.readouterr().err
+    missing = tmp_path / "missing" / "index"
+    assert main(["serve", "--workers", "2", "--set", f"warm_start.path={missing}"]) == 2
+    assert "warm_start.path" in capsys.readouterr().err
+
+
+def test_each_worker_has_an_index_file_of_its_own(tmp_path):
+    """With --workers N each worker writes and reads warm_start.path + '.worker-K' (K its
+    slot, which a worker started again in a dead one's place keeps); the rest is the same."""
+    from extproc.serve import worker_config_data
+
+    path = str(tmp_path / "index")
+    data = load_config(None, {"server.workers": 2, "warm_start.path": path}).model_dump(mode="json")
+    workers = [Config.model_validate(worker_config_data(data, slot)) for slot in (0, 1)]
+    assert [w.warm_start.path for w in workers] == [f"{path}.worker-0", f"{path}.worker-1"]
+    assert workers[1].model_dump(exclude={"warm_start"}) == Config.model_validate(data).model_dump(
+        exclude={"warm_start"}
+    )
+    assert data["warm_start"]["path"] == path  # (the supervisor's own is left as it is)
+    none = load_config(None, {"server.workers": 2}).model_dump(mode="json")
+    assert worker_config_data(none, 1) == none

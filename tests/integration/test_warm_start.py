@@ -9,6 +9,10 @@ only if the new router was handed where they were placed; without it they go to 
 
 from __future__ import annotations
 
+import os
+import signal
+import time
+
 from extproc.stack import LOOPBACK, Stack, free_port, router_args_for
 
 from ..rendezvous import rendezvous_pick
@@ -17,6 +21,7 @@ from ..waiting import wait_until
 from .conftest import chat_body, request
 from .test_observability import samples
 from .test_router_replicas import FAST, ROUTER_ARGS
+from .test_workers_and_demo import _worker_pids
 
 SERVED = "x-gateway-destination-endpoint-served"
 
@@ -96,6 +101,66 @@ def test_a_restarted_router_takes_its_predecessors_index_from_the_file(tmp_path)
         for _, second in conversations[2:]:
             response = request(envoy_port, second)
             assert response.status == 200 and response.headers[SERVED] == y
+
+
+def test_workers_each_keep_an_index_file_of_their_own(tmp_path):
+    """With --workers 2 each worker writes its own file at its stop (warm_start.path +
+    '.worker-K'), holding every conversation: the other worker's placements reach it
+    through the supervisor. The workers started next each take their own, and the second
+    turns go to X off the new router's own order, whichever worker routes them. A worker
+    killed is started again in its slot and takes that slot's file, written since."""
+    snapshot = tmp_path / "index.snapshot"
+    args = [
+        *ROUTER_ARGS,
+        *router_args_for("override-host"),
+        *["--workers", "2", "--set", f"warm_start.path={snapshot}"],
+        *["--set", "warm_start.interval_seconds=0"],
+    ]
+    with Stack(workdir=tmp_path) as stack:
+        x, y = stack.start_replicas(2, FAST)
+        conversations = _conversations(x, y)
+        address, first_router = stack.start_router([x], extra_args=args, ready=True)
+        port = int(address.rsplit(":", 1)[1])
+        admin = stack.router_admin_ports["router"]
+        envoy_port, _ = stack.start_proxy("override-host", [x, y], address)
+        for first, _ in conversations:
+            response = request(envoy_port, first)
+            assert response.status == 200 and response.headers[SERVED] == x
+        _wait_for(
+            lambda: _peer_placements(admin) >= len(conversations),
+            "the other worker never had the placements",
+        )
+        stack.stop(first_router)  # SIGTERM: each worker drains, then writes its file
+        files = {path.name: path.stat().st_size for path in tmp_path.glob("index.snapshot*")}
+        assert sorted(files) == ["index.snapshot.worker-0", "index.snapshot.worker-1"], files
+        assert min(files.values()) > 1000, files
+
+        again = [*args, "--set", "warm_start.interval_seconds=0.5"]
+        _, second_router = stack.start_router([x, y], port=port, extra_args=again, ready=True)
+        for slot in (0, 1):
+            _wait_for(
+                lambda slot=slot: (
+                    f"{snapshot}.worker-{slot}'s index taken for 1" in second_router.log_tail(400)
+                ),
+                f"worker {slot} never took its file's index",
+            )
+        _lists_read(admin, [x, y])
+        time.sleep(1.5)  # (the gauge is either worker's: the other's lists, within a second)
+        for _, second in conversations:
+            response = request(envoy_port, second)
+            assert response.status == 200 and response.headers[SERVED] == x
+
+        def taken() -> int:
+            return second_router.log_tail(2000).count("'s index taken for")
+
+        assert taken() == 2
+        time.sleep(1.0)  # (each worker has written its file again since)
+        os.kill(_worker_pids(second_router.process.pid)[0], signal.SIGKILL)
+        _wait_for(lambda: taken() == 3, "the worker started again took no file", 30.0)
+
+
+def _peer_placements(admin_port: int) -> float:
+    return samples(admin_port).get(("prefix_router_peer_placements_total", ()), 0.0)
 
 
 def test_a_router_starting_beside_a_peer_takes_its_index(tmp_path):
