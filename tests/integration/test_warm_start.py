@@ -10,6 +10,7 @@ only if the new router was handed where they were placed; without it they go to 
 from __future__ import annotations
 
 import os
+import re
 import signal
 import time
 
@@ -21,7 +22,6 @@ from ..waiting import wait_until
 from .conftest import chat_body, request
 from .test_observability import samples
 from .test_router_replicas import FAST, ROUTER_ARGS
-from .test_workers_and_demo import _worker_pids
 
 SERVED = "x-gateway-destination-endpoint-served"
 
@@ -105,10 +105,11 @@ def test_a_restarted_router_takes_its_predecessors_index_from_the_file(tmp_path)
 
 def test_workers_each_keep_an_index_file_of_their_own(tmp_path):
     """With --workers 2 each worker writes its own file at its stop (warm_start.path +
-    '.worker-K'), holding every conversation: the other worker's placements reach it
-    through the supervisor. The workers started next each take their own, and the second
-    turns go to X off the new router's own order, whichever worker routes them. A worker
-    killed is started again in its slot and takes that slot's file, written since."""
+    '.worker-K'), each holding every conversation (the other worker's placements reach it
+    through the supervisor): the workers started next each take their own, as many blocks
+    each, and the second turns go to X off the new router's own order. A worker killed is
+    started again in its slot and takes that slot's file, written since (by a router that
+    knew both replicas: two endpoints)."""
     snapshot = tmp_path / "index.snapshot"
     args = [
         *ROUTER_ARGS,
@@ -131,32 +132,40 @@ def test_workers_each_keep_an_index_file_of_their_own(tmp_path):
             "the other worker never had the placements",
         )
         stack.stop(first_router)  # SIGTERM: each worker drains, then writes its file
-        files = {path.name: path.stat().st_size for path in tmp_path.glob("index.snapshot*")}
-        assert sorted(files) == ["index.snapshot.worker-0", "index.snapshot.worker-1"], files
-        assert min(files.values()) > 1000, files
+        files = sorted(path.name for path in tmp_path.glob("index.snapshot*"))
+        assert files == ["index.snapshot.worker-0", "index.snapshot.worker-1"], files
 
         again = [*args, "--set", "warm_start.interval_seconds=0.5"]
         _, second_router = stack.start_router([x, y], port=port, extra_args=again, ready=True)
-        for slot in (0, 1):
-            _wait_for(
-                lambda slot=slot: (
-                    f"{snapshot}.worker-{slot}'s index taken for 1" in second_router.log_tail(400)
-                ),
-                f"worker {slot} never took its file's index",
-            )
+
+        def taken() -> list[tuple[int, int, int, int]]:
+            """(pid, slot, endpoints, blocks) of each index a worker took, in order."""
+            return [
+                tuple(map(int, found))
+                for found in re.findall(
+                    rf"\[(\d+)\]: warm start: file {re.escape(str(snapshot))}\.worker-(\d)'s "
+                    r"index taken for (\d+) endpoint\(s\) \((\d+) blocks\)",
+                    second_router.log_tail(2000),
+                )
+            ]
+
+        _wait_for(lambda: len(taken()) == 2, "the workers never took their files' index")
+        (pid_a, slot_a, ends_a, blocks_a), (pid_b, slot_b, ends_b, blocks_b) = taken()
+        assert {slot_a, slot_b} == {0, 1} and ends_a == ends_b == 1
+        assert blocks_a == blocks_b > 0  # (each file had what both workers placed)
         _lists_read(admin, [x, y])
         time.sleep(1.5)  # (the gauge is either worker's: the other's lists, within a second)
         for _, second in conversations:
             response = request(envoy_port, second)
             assert response.status == 200 and response.headers[SERVED] == x
 
-        def taken() -> int:
-            return second_router.log_tail(2000).count("'s index taken for")
-
-        assert taken() == 2
-        time.sleep(1.0)  # (each worker has written its file again since)
-        os.kill(_worker_pids(second_router.process.pid)[0], signal.SIGKILL)
-        _wait_for(lambda: taken() == 3, "the worker started again took no file", 30.0)
+        written = time.time()
+        second_file = tmp_path / "index.snapshot.worker-1"
+        _wait_for(lambda: second_file.stat().st_mtime > written, "worker 1 never wrote again")
+        os.kill(pid_a if slot_a == 1 else pid_b, signal.SIGKILL)
+        _wait_for(lambda: len(taken()) == 3, "the worker started again took no file", 30.0)
+        pid_c, slot_c, ends_c, _ = taken()[2]
+        assert pid_c not in (pid_a, pid_b) and slot_c == 1 and ends_c == 2
 
 
 def _peer_placements(admin_port: int) -> float:
