@@ -56,6 +56,20 @@ def _lists_read(admin_port: int, endpoints: list[str]) -> None:
     _wait_for(lambda: wanted <= models_known(admin_port), "the model lists were never read")
 
 
+def _first_turns_on_x(stack: Stack, args: list[str]):
+    """Two replicas X and Y, a router started with ``args`` knowing only X behind Envoy,
+    and the first turns of conversations whose rendezvous pick is Y sent, all to X:
+    (x, y, the conversations, the router's port, the router, Envoy's port)."""
+    x, y = stack.start_replicas(2, FAST)
+    conversations = _conversations(x, y)
+    address, router = stack.start_router([x], extra_args=args, ready=True)
+    envoy_port, _ = stack.start_proxy("override-host", [x, y], address)
+    for first, _ in conversations:
+        response = request(envoy_port, first)
+        assert response.status == 200 and response.headers[SERVED] == x
+    return x, y, conversations, int(address.rsplit(":", 1)[1]), router, envoy_port
+
+
 def test_a_restarted_router_takes_its_predecessors_index_from_the_file(tmp_path):
     snapshot = tmp_path / "index.snapshot"
     snapshot.write_bytes(b"left by something else")  # not a snapshot: started empty
@@ -65,14 +79,7 @@ def test_a_restarted_router_takes_its_predecessors_index_from_the_file(tmp_path)
         *["--set", f"warm_start.path={snapshot}", "--set", "warm_start.interval_seconds=0"],
     ]
     with Stack(workdir=tmp_path) as stack:
-        x, y = stack.start_replicas(2, FAST)
-        conversations = _conversations(x, y)
-        address, first_router = stack.start_router([x], extra_args=args, ready=True)
-        port = int(address.rsplit(":", 1)[1])
-        envoy_port, _ = stack.start_proxy("override-host", [x, y], address)
-        for first, _ in conversations:
-            response = request(envoy_port, first)
-            assert response.status == 200 and response.headers[SERVED] == x
+        x, y, conversations, port, first_router, envoy_port = _first_turns_on_x(stack, args)
         stack.stop(first_router)  # SIGTERM: drains, then writes the file
         assert snapshot.stat().st_size > 1000
 
@@ -118,15 +125,8 @@ def test_workers_each_keep_an_index_file_of_their_own(tmp_path):
         *["--set", "warm_start.interval_seconds=0"],
     ]
     with Stack(workdir=tmp_path) as stack:
-        x, y = stack.start_replicas(2, FAST)
-        conversations = _conversations(x, y)
-        address, first_router = stack.start_router([x], extra_args=args, ready=True)
-        port = int(address.rsplit(":", 1)[1])
+        x, y, conversations, port, first_router, envoy_port = _first_turns_on_x(stack, args)
         admin = stack.router_admin_ports["router"]
-        envoy_port, _ = stack.start_proxy("override-host", [x, y], address)
-        for first, _ in conversations:
-            response = request(envoy_port, first)
-            assert response.status == 200 and response.headers[SERVED] == x
         _wait_for(
             lambda: _peer_placements(admin) >= len(conversations),
             "the other worker never had the placements",
