@@ -30,6 +30,20 @@ ROUTER_ARGS = ["--set", "signals.interval_seconds=0.2", "--set", "health.enabled
 REQUESTS = 48
 
 
+def conversations_picking(x: str, y: str, count: int = 4) -> list[tuple[bytes, bytes]]:
+    """(first turn, second turn) of ``count`` conversations whose second turn's rendezvous
+    pick among (x, y) is ``y`` (shared with test_warm_start)."""
+    found = []
+    for i in range(200):
+        first = f"conversation {i} about a subject of its own " * 40
+        second = chat_body(first, "Sure.", "and then?")
+        if rendezvous_pick(second, (x, y)) == y:
+            found.append((chat_body(first), second))
+        if len(found) == count:
+            return found
+    raise AssertionError("too few conversations with Y as their rendezvous pick")
+
+
 def _share_and_margin(admin_port: int) -> tuple[float, float]:
     metrics = samples(admin_port)
     share = [v for (name, _), v in metrics.items() if name == "prefix_router_traffic_share"]
@@ -193,15 +207,7 @@ def test_a_router_finds_the_conversations_another_router_placed(tmp_path):
         args = [*ROUTER_ARGS, "--set", "peers.interval_seconds=0.2"]
         envoy_ports = stack.start_peer_routers({"router-a": [x], "router-b": [x, y]}, args)
         admin = stack.router_admin_ports
-        conversations = []
-        for i in range(40):
-            first = f"conversation {i} about a topic of its own " * 40
-            second = chat_body(first, "Sure.", "and then?")
-            if rendezvous_pick(second, (x, y)) == y:
-                conversations.append((chat_body(first), second))
-            if len(conversations) == 4:
-                break
-        assert len(conversations) == 4
+        conversations = conversations_picking(x, y)
         *started, (_, unseen) = conversations
         for first, _ in started:
             response = request(envoy_ports["router-a"], first)

@@ -16,27 +16,13 @@ import time
 
 from extproc.stack import LOOPBACK, Stack, free_port, router_args_for
 
-from ..rendezvous import rendezvous_pick
 from ..router_gauges import models_known
 from ..waiting import wait_until
-from .conftest import chat_body, request
+from .conftest import request
 from .test_observability import samples
-from .test_router_replicas import FAST, ROUTER_ARGS
+from .test_router_replicas import FAST, ROUTER_ARGS, conversations_picking
 
 SERVED = "x-gateway-destination-endpoint-served"
-
-
-def _conversations(x: str, y: str, count: int = 4) -> list[tuple[bytes, bytes]]:
-    """(first turn, second turn) of conversations whose rendezvous pick is ``y``."""
-    found = []
-    for i in range(200):
-        first = f"conversation {i} about a subject of its own " * 40
-        second = chat_body(first, "Sure.", "and then?")
-        if rendezvous_pick(second, (x, y)) == y:
-            found.append((chat_body(first), second))
-        if len(found) == count:
-            return found
-    raise AssertionError("too few conversations with Y as their rendezvous pick")
 
 
 def _taken(admin_port: int, source: str) -> float:
@@ -61,7 +47,7 @@ def _first_turns_on_x(stack: Stack, args: list[str]):
     and the first turns of conversations whose rendezvous pick is Y sent, all to X:
     (x, y, the conversations, the router's port, the router, Envoy's port)."""
     x, y = stack.start_replicas(2, FAST)
-    conversations = _conversations(x, y)
+    conversations = conversations_picking(x, y)
     address, router = stack.start_router([x], extra_args=args, ready=True)
     envoy_port, _ = stack.start_proxy("override-host", [x, y], address)
     for first, _ in conversations:
@@ -179,7 +165,7 @@ def test_a_router_starting_beside_a_peer_takes_its_index(tmp_path):
     index and take A's."""
     with Stack(workdir=tmp_path) as stack:
         x, y = stack.start_replicas(2, FAST)
-        conversations = _conversations(x, y, 2)
+        conversations = conversations_picking(x, y, 2)
         peer_args = ["--set", "peers.interval_seconds=0.2", "--set", "peers.share_placements=false"]
         common = [*ROUTER_ARGS, *router_args_for("override-host"), *peer_args]
         # (A starting router answers its peers 503 for warm_start.from_peers_seconds: its
